@@ -1,0 +1,31 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+import overlay
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--stock-vllm",
+        action="store_true",
+        help=(
+            "Run against the pinned vllm 0.33.0 base wheel's original files "
+            "instead of this tree's, to show which tests our change makes pass."
+        ),
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test module imports vLLM, so the replaced modules resolve to
+    # this tree (or to stock 0.33.0); child processes inherit the choice.
+    source = "stock" if config.getoption("--stock-vllm") else "tree"
+    config.stash[overlay_key] = overlay.install(source)
+
+
+overlay_key = pytest.StashKey[dict]()
+
+
+@pytest.fixture(scope="session")
+def overlay_modules(pytestconfig: pytest.Config) -> dict:
+    """Module name -> the file the test run imports it from."""
+    return pytestconfig.stash[overlay_key]

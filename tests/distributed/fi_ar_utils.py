@@ -1,0 +1,394 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Helpers for the FlashInfer all-reduce tests: GPU fakes and rank groups.
+
+Only what needs a GPU is faked: FlashInfer's workspace constructor (at the
+`flashinfer_comm` boundary) and the facts a CUDA device would report
+(`is_cuda`, its compute capability, hybrid KV cache support, and the fusion
+size table, which lives in a module that loads CUDA ops). Configs are real
+`VllmConfig` objects and process groups are real gloo groups on loopback.
+
+Run as a script, this file is one node of a simulated cluster: it starts the
+node's ranks, each of which runs a list of cases and writes one JSON line per
+case.
+"""
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
+HIDDEN_DIM = 4096
+MAX_TOKENS = 128
+# Stand-in for PassConfig.default_fi_allreduce_fusion_max_size_mb(), which
+# imports the CUDA-op fusion passes and so cannot run without a GPU.
+FUSION_MAX_SIZE_MB = {2: 64, 4: 64, 8: 64}
+HISPARSE_MODES = ("off", "connector", "multiconnector", "config")
+
+
+class FakeWorkspace:
+    """What `create_allreduce_fusion_workspace` returns, minus the GPU."""
+
+    def __init__(self, backend: str, multicast: bool, log: list[str]):
+        self.backend = backend
+        self.mc_ptr = 1 if multicast else 0
+        self.destroyed = False
+        self._log = log
+
+    def destroy(self) -> None:
+        self.destroyed = True
+        self._log.append(f"destroy:{self.backend}")
+
+    def is_buffer_size_sufficient(self, **kwargs: Any) -> bool:
+        return True
+
+    def checkpoint_prepare(self) -> None:
+        self._log.append(f"checkpoint_prepare:{self.backend}")
+
+    def checkpoint_restore(self, comm_backend: Any) -> None:
+        self._log.append(f"checkpoint_restore:{self.backend}")
+
+
+@dataclass
+class FakeWorkspaceFactory:
+    """Fake `flashinfer_comm.create_allreduce_fusion_workspace`.
+
+    Like FlashInfer's, creation is a collective on the group: ranks exchange
+    their arguments, and ranks that disagree block, as mismatched rendezvous
+    do on GPUs. `fail` lists backends whose creation fails on this rank after
+    that exchange; `multicast` is what an mnnvl workspace reports.
+    """
+
+    fail: set[str] = field(default_factory=set)
+    multicast: bool = True
+    log: list[str] = field(default_factory=list)
+
+    def __call__(self, *, backend: str, group: Any = None, **kwargs: Any):
+        import torch.distributed as dist
+
+        self.log.append(f"create:{backend}")
+        if group is not None and dist.get_world_size(group) > 1:
+            mine = (backend, kwargs.get("max_token_num"), kwargs.get("hidden_dim"))
+            everyone: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, mine, group=group)
+            if any(theirs != mine for theirs in everyone):
+                self.log.append(f"mismatch:{everyone}")
+                threading.Event().wait()
+        if backend in self.fail:
+            raise RuntimeError(f"injected {backend} workspace failure")
+        return FakeWorkspace(backend, self.multicast, self.log)
+
+    @property
+    def attempts(self) -> list[str]:
+        return [e.split(":", 1)[1] for e in self.log if e.startswith("create:")]
+
+
+def pin_gpu(
+    monkeypatch: Any,
+    capability: int | None = 100,
+) -> None:
+    """Make the platform report a CUDA device of `capability` (e.g. 100)."""
+    from vllm.config.compilation import PassConfig
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    cap = None if capability is None else DeviceCapability(*divmod(capability, 10))
+    # Patched on the class: Platform's classmethods (has_device_capability)
+    # call each other through `cls`.
+    platform = type(current_platform)
+    monkeypatch.setattr(platform, "is_cuda", lambda self: True)
+    monkeypatch.setattr(
+        platform, "support_hybrid_kv_cache", classmethod(lambda cls: True)
+    )
+    monkeypatch.setattr(
+        platform,
+        "get_device_capability",
+        classmethod(lambda cls, device_id=0: cap),
+    )
+    monkeypatch.setattr(
+        PassConfig,
+        "default_fi_allreduce_fusion_max_size_mb",
+        staticmethod(lambda: FUSION_MAX_SIZE_MB),
+    )
+
+
+def reset_log_once() -> None:
+    """Forget vLLM's *_once log messages, which last the process lifetime."""
+    from vllm import logger as vllm_logger
+
+    for once in ("_print_info_once", "_print_warning_once"):
+        getattr(vllm_logger, once).cache_clear()
+
+
+def build_config(hisparse: str = "off"):
+    """A real VllmConfig with HiSparse turned on the way `hisparse` says."""
+    from vllm.config import (
+        AttentionConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.config.attention import HiSparseConfig
+
+    hisparse_connector = {
+        "kv_connector": "HiSparseConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_pool_gib": 4},
+    }
+    kwargs: dict[str, Any] = {}
+    if hisparse == "connector":
+        kwargs["kv_transfer_config"] = KVTransferConfig(**hisparse_connector)
+    elif hisparse == "multiconnector":
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "connectors": [
+                    hisparse_connector,
+                    {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"},
+                ]
+            },
+        )
+    elif hisparse == "config":
+        kwargs["attention_config"] = AttentionConfig(hisparse_config=HiSparseConfig())
+    elif hisparse != "off":
+        raise ValueError(f"unknown HiSparse mode {hisparse!r}")
+    return VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        # HiSparse needs the hybrid KV cache manager, which GPUs enable.
+        scheduler_config=SchedulerConfig.default_factory(
+            disable_hybrid_kv_cache_manager=False
+        ),
+        **kwargs,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def namespaces_unavailable() -> str | None:
+    """Why nodes cannot be simulated here, or None when they can."""
+    if shutil.which("unshare") is None:
+        return "util-linux `unshare` is not installed"
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "true"],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0:
+        return f"cannot create mount namespaces ({probe.stderr.strip()}); needs root"
+    return None
+
+
+class GroupHang(AssertionError):
+    """The rank group did not finish in time (a collective hung)."""
+
+
+def run_group(
+    cases: list[dict[str, Any]],
+    *,
+    nnodes: int = 1,
+    ranks_per_node: int = 2,
+    timeout: float = 240,
+) -> list[dict[str, dict[str, Any]]]:
+    """Run `cases` on a gloo group; return, per rank, each case's result.
+
+    Each node's ranks share a mount namespace with a private /dev/shm, which
+    is how vLLM tells nodes apart. The whole group is killed on `timeout`.
+    """
+    world_size = nnodes * ranks_per_node
+    with tempfile.TemporaryDirectory(prefix="fi-ar-group-") as tmp:
+        spec = Path(tmp, "spec.json")
+        spec.write_text(
+            json.dumps(
+                {
+                    "world_size": world_size,
+                    "port": free_port(),
+                    "cases": cases,
+                    "out": tmp,
+                }
+            )
+        )
+        nodes = []
+        for node in range(nnodes):
+            ranks = range(node * ranks_per_node, (node + 1) * ranks_per_node)
+            cmd = [sys.executable, str(HERE), str(spec), *map(str, ranks)]
+            if nnodes > 1:
+                cmd = [
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    'mount -t tmpfs tmpfs /dev/shm && exec "$@"',
+                    "node",
+                    *cmd,
+                ]
+            nodes.append(subprocess.Popen(cmd, start_new_session=True))
+        try:
+            _wait_all(nodes, timeout)
+        finally:
+            for proc in nodes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        results = []
+        for rank in range(world_size):
+            path = Path(tmp, f"rank{rank}.jsonl")
+            lines = path.read_text().splitlines() if path.exists() else []
+            results.append({r["case"]: r for r in map(json.loads, lines)})
+        return results
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired as e:
+            raise GroupHang(f"rank group still running after {timeout}s") from e
+        if proc.returncode != 0:
+            raise AssertionError(f"node process exited with {proc.returncode}")
+
+
+def _run_node(spec_path: str, ranks: list[str]) -> int:
+    """Start this node's ranks; they share this process's mount namespace."""
+    procs = [
+        subprocess.Popen([sys.executable, str(HERE), "--rank", r, spec_path])
+        for r in ranks
+    ]
+    return max(proc.wait() for proc in procs)
+
+
+class _LogCollector(logging.Handler):
+    """Keeps vLLM's log lines (vLLM only configures logging in its CLI)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+def _run_rank(rank: int, spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    sys.path.insert(0, str(HERE.parents[1]))
+    import overlay
+
+    overlay.install()
+
+    import torch.distributed as dist
+
+    logging.getLogger("vllm").setLevel(logging.INFO)
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{spec['port']}",
+        rank=rank,
+        world_size=spec["world_size"],
+    )
+    out = Path(spec["out"], f"rank{rank}.jsonl")
+    for case in spec["cases"]:
+        result = _run_case(rank, case)
+        with out.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
+    """Acquire workspaces the way a worker does, recording what happened."""
+    import importlib
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from vllm.config import set_current_vllm_config
+
+    fi_ar = importlib.import_module(MODULE)
+    env = {**case.get("env", {}), **case.get("rank_env", {}).get(str(rank), {})}
+    patch = pytest.MonkeyPatch()
+    for name, value in env.items():
+        patch.setenv(name, value)
+    factory = FakeWorkspaceFactory(
+        fail=set(case.get("fail", {}).get(str(rank), [])),
+        multicast=case.get("multicast", True),
+    )
+    result: dict[str, Any] = {"case": case["name"], "rank": rank}
+    messages = _LogCollector()
+    reset_log_once()
+    logging.getLogger("vllm").addHandler(messages)
+    try:
+        pin_gpu(patch, case.get("capability", 100))
+        patch.setattr(
+            fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
+        )
+        config = build_config(case.get("hisparse", "off"))
+        group = dist.group.WORLD
+        args = dict(
+            world_size=dist.get_world_size(),
+            rank=rank,
+            max_token_num=MAX_TOKENS,
+            hidden_dim=HIDDEN_DIM,
+            dtype=torch.bfloat16,
+            group=group,
+        )
+        with set_current_vllm_config(config):
+            standalone = fi_ar.FlashInferAllReduce(group=group, device="cpu")
+            result["standalone_disabled"] = standalone.disabled
+            ws = fi_ar.get_fi_ar_workspace(**args)
+            quant = fi_ar.get_fi_ar_quant_workspace(**args)
+            result["workspace"] = None if ws is None else ws.backend
+            result["quant"] = None if quant is None else quant.backend
+            result["shared"] = ws is not None and ws is quant
+            if not standalone.disabled:
+                result["standalone_ready"] = standalone._ensure_workspace(
+                    HIDDEN_DIM, torch.bfloat16
+                )
+    except Exception as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+    finally:
+        result["log"] = factory.log
+        result["messages"] = messages.lines
+        logging.getLogger("vllm").removeHandler(messages)
+        with contextlib.suppress(Exception):
+            fi_ar.destroy_fi_ar_workspace()
+        patch.undo()
+    return result
+
+
+def _main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int)
+    parser.add_argument("spec")
+    parser.add_argument("ranks", nargs="*")
+    args = parser.parse_args()
+    if args.rank is None:
+        return _run_node(args.spec, args.ranks)
+    _run_rank(args.rank, args.spec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

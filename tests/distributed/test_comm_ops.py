@@ -1,0 +1,331 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""FlashInfer all-reduce backend selection and workspace lifecycle.
+
+Runs on CPU: real VllmConfig objects, real gloo process groups on loopback,
+and the real module; only FlashInfer's workspace constructor and the CUDA
+device facts are faked (see fi_ar_utils). Multi-node cases put each node's
+ranks in their own mount namespace with a private /dev/shm.
+
+Upstream test plan:
+    pytest tests/distributed/test_comm_ops.py \
+        -k "flashinfer_auto_backend or workspace_failure or standalone_workspace"
+"""
+
+import importlib
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from fi_ar_utils import (
+    HIDDEN_DIM,
+    MAX_TOKENS,
+    MODULE,
+    FakeWorkspaceFactory,
+    build_config,
+    free_port,
+    namespaces_unavailable,
+    pin_gpu,
+    reset_log_once,
+    run_group,
+)
+
+from vllm.config import set_current_vllm_config
+
+ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+HISPARSE_ON = ("connector", "multiconnector", "config")
+
+
+@pytest.fixture(scope="module")
+def cpu_group():
+    """A one-rank gloo group: a single node without any collectives."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fi_ar(monkeypatch):
+    """The module under test on a Blackwell-like CUDA device, reset after use."""
+    module = importlib.import_module(MODULE)
+    pin_gpu(monkeypatch, 100)
+    monkeypatch.delenv(ENV, raising=False)
+    reset_log_once()
+    yield module
+    module.destroy_fi_ar_workspace()
+
+
+@pytest.fixture
+def fake_ws(fi_ar, monkeypatch) -> FakeWorkspaceFactory:
+    factory = FakeWorkspaceFactory()
+    monkeypatch.setattr(
+        fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
+    )
+    return factory
+
+
+def _args(group) -> dict[str, Any]:
+    return dict(
+        world_size=2,
+        rank=0,
+        max_token_num=MAX_TOKENS,
+        hidden_dim=HIDDEN_DIM,
+        dtype=torch.bfloat16,
+        group=group,
+    )
+
+
+def _info_lines(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO and "all-reduce backend" in r.getMessage()
+    ]
+
+
+# --- single node -----------------------------------------------------------
+
+
+def test_flashinfer_auto_backend_single_node_uses_mnnvl(fi_ar, fake_ws, cpu_group):
+    ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+    assert ws.backend == "mnnvl"
+    assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("mnnvl", True)
+    assert fake_ws.attempts == ["mnnvl"]
+
+
+def test_flashinfer_auto_backend_single_node_without_multicast_uses_trtllm(
+    fi_ar, fake_ws, cpu_group
+):
+    fake_ws.multicast = False
+    ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+    quant = fi_ar.get_fi_ar_quant_workspace(**_args(cpu_group))
+    assert ws.backend == "trtllm"
+    assert quant is ws, "quant fusion must reuse the fallback, not retry mnnvl"
+    assert fake_ws.attempts == ["mnnvl", "trtllm"]
+    assert "destroy:mnnvl" in fake_ws.log
+
+
+@pytest.mark.parametrize("setting", ["trtllm", "mnnvl"])
+def test_flashinfer_auto_backend_explicit_setting_is_obeyed(
+    fi_ar, fake_ws, cpu_group, monkeypatch, setting
+):
+    monkeypatch.setenv(ENV, setting)
+    ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+    assert ws.backend == setting
+    assert fi_ar._resolve_fi_ar_backend(cpu_group) == (setting, False)
+    assert fake_ws.attempts == [setting]
+
+
+def test_flashinfer_auto_backend_explicit_mnnvl_does_not_fall_back(
+    fi_ar, fake_ws, cpu_group, monkeypatch
+):
+    monkeypatch.setenv(ENV, "mnnvl")
+    fake_ws.multicast = False
+    assert fi_ar.get_fi_ar_workspace(**_args(cpu_group)) is None
+    assert fake_ws.attempts == ["mnnvl"]
+
+
+def test_flashinfer_auto_backend_rejects_unknown_setting(fi_ar, cpu_group, monkeypatch):
+    monkeypatch.setenv(ENV, "nvlink")
+    with pytest.raises(ValueError, match=r"nvlink.*VLLM_FLASHINFER_ALLREDUCE_BACKEND"):
+        fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+
+
+# --- HiSparse, single node -------------------------------------------------
+
+
+@pytest.mark.parametrize("hisparse", HISPARSE_ON)
+def test_flashinfer_auto_backend_hisparse_single_node_uses_trtllm(
+    fi_ar, fake_ws, cpu_group, caplog, hisparse
+):
+    caplog.set_level(logging.INFO)
+    with set_current_vllm_config(build_config(hisparse)):
+        assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("trtllm", False)
+        ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+        quant = fi_ar.get_fi_ar_quant_workspace(**_args(cpu_group))
+    assert ws.backend == "trtllm"
+    assert quant is ws
+    assert fake_ws.attempts == ["trtllm"], "must never try mnnvl first"
+    [line] = _info_lines(caplog)
+    for needed in ("trtllm", "race", "flashinfer#7782", ENV):
+        assert needed in line
+
+
+def test_flashinfer_auto_backend_hisparse_logged_once(
+    fi_ar, fake_ws, cpu_group, caplog
+):
+    caplog.set_level(logging.INFO)
+    with set_current_vllm_config(build_config("connector")):
+        for _ in range(3):
+            fi_ar._resolve_fi_ar_backend(cpu_group)
+        fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+        fi_ar.get_fi_ar_quant_workspace(**_args(cpu_group))
+    assert len(_info_lines(caplog)) == 1
+
+
+def test_flashinfer_auto_backend_hisparse_explicit_mnnvl_warns(
+    fi_ar, fake_ws, cpu_group, caplog, monkeypatch
+):
+    monkeypatch.setenv(ENV, "mnnvl")
+    with set_current_vllm_config(build_config("connector")):
+        ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+    assert ws.backend == "mnnvl"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("known to crash" in w and "flashinfer#7782" in w for w in warnings)
+
+
+def test_flashinfer_auto_backend_hisparse_off_without_current_config(
+    fi_ar, fake_ws, cpu_group
+):
+    with set_current_vllm_config(build_config("off")):
+        assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("mnnvl", True)
+    assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("mnnvl", True)
+
+
+# --- workspace lifecycle ---------------------------------------------------
+
+
+@pytest.mark.parametrize("getter", ["get_fi_ar_workspace", "get_fi_ar_quant_workspace"])
+def test_workspace_failure_is_not_retried(
+    fi_ar, fake_ws, cpu_group, monkeypatch, getter
+):
+    monkeypatch.setenv(ENV, "trtllm")
+    fake_ws.fail = {"trtllm"}
+    for _ in range(3):
+        assert getattr(fi_ar, getter)(**_args(cpu_group)) is None
+    assert fake_ws.attempts == ["trtllm"]
+
+
+def test_workspace_failure_after_fallback_is_not_retried(fi_ar, fake_ws, cpu_group):
+    fake_ws.fail = {"mnnvl", "trtllm"}
+    for _ in range(3):
+        assert fi_ar.get_fi_ar_workspace(**_args(cpu_group)) is None
+    assert fake_ws.attempts == ["mnnvl", "trtllm"]
+
+
+@pytest.mark.parametrize("quant_first", [False, True])
+def test_standalone_workspace_shared_with_quant_fusion(
+    fi_ar, fake_ws, cpu_group, quant_first
+):
+    getters = [fi_ar.get_fi_ar_workspace, fi_ar.get_fi_ar_quant_workspace]
+    first, second = (
+        g(**_args(cpu_group)) for g in getters[:: -1 if quant_first else 1]
+    )
+    assert first is second
+    assert fake_ws.attempts == ["mnnvl"]
+    fi_ar.destroy_fi_ar_workspace()
+    assert fake_ws.log.count("destroy:mnnvl") == 1
+
+
+def test_standalone_workspace_checkpoint_covers_shared_workspace_once(
+    fi_ar, fake_ws, cpu_group
+):
+    fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+    fi_ar.get_fi_ar_quant_workspace(**_args(cpu_group))
+    fi_ar.checkpoint_prepare_fi_ar_workspaces(cpu_group)
+    fi_ar.checkpoint_restore_fi_ar_workspaces(cpu_group)
+    assert fake_ws.log.count("checkpoint_prepare:mnnvl") == 1
+    assert fake_ws.log.count("checkpoint_restore:mnnvl") == 1
+
+
+# --- real rank groups: one node with two ranks, and two nodes ---------------
+
+requires_namespaces = pytest.mark.skipif(
+    (why := namespaces_unavailable()) is not None,
+    reason=f"two nodes are simulated with mount namespaces: {why}",
+)
+
+
+@pytest.fixture(scope="module")
+def one_node() -> list[dict[str, dict[str, Any]]]:
+    return run_group(
+        [
+            {"name": "auto"},
+            {"name": "hisparse", "hisparse": "connector"},
+            {"name": "no-multicast", "multicast": False},
+        ],
+        nnodes=1,
+        ranks_per_node=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> list[dict[str, dict[str, Any]]]:
+    cases: list[dict[str, Any]] = [
+        {"name": "auto-100", "capability": 100},
+        {"name": "auto-90", "capability": 90},
+        {"name": "trtllm", "env": {ENV: "trtllm"}},
+        {"name": "mnnvl", "env": {ENV: "mnnvl"}, "capability": 90},
+    ]
+    cases += [{"name": f"hisparse-{m}", "hisparse": m} for m in HISPARSE_ON]
+    return run_group(cases, nnodes=2, ranks_per_node=1)
+
+
+def _every_rank(results, case: str) -> list[dict[str, Any]]:
+    per_rank = [r[case] for r in results]
+    for r in per_rank:
+        assert "error" not in r or r["error"].startswith("ValueError"), r.get(
+            "traceback"
+        )
+    return per_rank
+
+
+@pytest.mark.parametrize(
+    ("case", "backend"),
+    [("auto", "mnnvl"), ("hisparse", "trtllm"), ("no-multicast", "trtllm")],
+)
+def test_standalone_workspace_enabled_on_one_node(one_node, case, backend):
+    for r in _every_rank(one_node, case):
+        assert not r["standalone_disabled"]
+        assert r["standalone_ready"]
+        assert r["workspace"] == r["quant"] == backend
+        assert r["shared"]
+
+
+def test_standalone_workspace_hisparse_one_node_never_tries_mnnvl(one_node):
+    for r in _every_rank(one_node, "hisparse"):
+        assert "create:mnnvl" not in r["log"]
+
+
+@requires_namespaces
+@pytest.mark.parametrize(("capability", "backend"), [(100, "mnnvl"), (90, None)])
+def test_flashinfer_auto_backend_multi_node(two_nodes, capability, backend):
+    for r in _every_rank(two_nodes, f"auto-{capability}"):
+        assert r["workspace"] == r["quant"] == backend
+        assert r["standalone_disabled"] is (backend is None)
+
+
+@requires_namespaces
+def test_flashinfer_auto_backend_explicit_mnnvl_across_nodes(two_nodes):
+    for r in _every_rank(two_nodes, "mnnvl"):
+        assert r["workspace"] == "mnnvl"
+
+
+@requires_namespaces
+def test_flashinfer_auto_backend_explicit_trtllm_across_nodes_raises(two_nodes):
+    for r in _every_rank(two_nodes, "trtllm"):
+        assert r["error"].startswith("ValueError")
+        assert "trtllm" in r["error"] and "mnnvl" in r["error"]
+        assert r["log"] == [], "no workspace may be attempted"
+
+
+@requires_namespaces
+@pytest.mark.parametrize("hisparse", HISPARSE_ON)
+def test_flashinfer_auto_backend_hisparse_multi_node_is_off(two_nodes, hisparse):
+    for r in _every_rank(two_nodes, f"hisparse-{hisparse}"):
+        assert r["workspace"] is None and r["quant"] is None
+        assert r["standalone_disabled"]
+        assert r["log"] == [], "no workspace may be attempted"
+        [line] = [m for m in r["messages"] if "all-reduce backend" in m]
+        assert line.startswith("INFO") and "off" in line and "flashinfer#7782" in line
+
+
+@requires_namespaces
+def test_standalone_workspace_disabled_without_backend(two_nodes):
+    for r in _every_rank(two_nodes, "auto-90"):
+        assert r["standalone_disabled"]
+        assert r["log"] == []

@@ -1,0 +1,30 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The test run exercises this tree's files, and the install is this build."""
+
+import importlib
+import os
+from importlib.metadata import version
+from pathlib import Path
+
+import overlay
+
+
+def test_replaced_modules_come_from_the_selected_source(overlay_modules):
+    assert overlay_modules, "the tree replaces at least one vLLM module"
+    for name, path in overlay_modules.items():
+        module = importlib.import_module(name)
+        assert Path(module.__file__).resolve() == path.resolve()
+        assert "site-packages" not in Path(module.__file__).parts
+
+
+def test_tree_is_the_default_source(overlay_modules):
+    if os.environ[overlay.SOURCE_ENV] != "tree":
+        return
+    name = "vllm.distributed.device_communicators.flashinfer_all_reduce"
+    expected = overlay.REPO_ROOT / "vllm/distributed/device_communicators"
+    assert overlay_modules[name] == expected / "flashinfer_all_reduce.py"
+
+
+def test_installed_vllm_carries_the_local_label():
+    assert version("vllm") == overlay.build_backend().load_pins().version
