@@ -316,7 +316,11 @@ def _run_rank(rank: int, spec_path: str) -> None:
 
 
 def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
-    """Acquire workspaces the way a worker does, recording what happened."""
+    """Acquire workspaces the way a worker does, recording what happened.
+
+    Case keys: name, env, hisparse, capability, multicast and fail (backends
+    whose creation fails); `per_rank` maps a rank to overrides of any of them.
+    """
     import importlib
 
     import pytest
@@ -326,12 +330,12 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import set_current_vllm_config
 
     fi_ar = importlib.import_module(MODULE)
-    env = {**case.get("env", {}), **case.get("rank_env", {}).get(str(rank), {})}
+    case = {**case, **case.get("per_rank", {}).get(str(rank), {})}
     patch = pytest.MonkeyPatch()
-    for name, value in env.items():
+    for name, value in case.get("env", {}).items():
         patch.setenv(name, value)
     factory = FakeWorkspaceFactory(
-        fail=set(case.get("fail", {}).get(str(rank), [])),
+        fail=set(case.get("fail", [])),
         multicast=case.get("multicast", True),
     )
     result: dict[str, Any] = {"case": case["name"], "rank": rank}

@@ -262,7 +262,7 @@ def two_nodes() -> list[dict[str, dict[str, Any]]]:
         {"name": "mnnvl", "env": {ENV: "mnnvl"}, "capability": 90},
     ]
     cases += [{"name": f"hisparse-{m}", "hisparse": m} for m in HISPARSE_ON]
-    return run_group(cases, nnodes=2, ranks_per_node=1)
+    return run_group(cases, nnodes=2, ranks_per_node=2)
 
 
 def _every_rank(results, case: str) -> list[dict[str, Any]]:
@@ -329,3 +329,67 @@ def test_standalone_workspace_disabled_without_backend(two_nodes):
     for r in _every_rank(two_nodes, "auto-90"):
         assert r["standalone_disabled"]
         assert r["log"] == []
+
+
+# --- ranks that see different things must still agree ----------------------
+
+
+@pytest.fixture(scope="module")
+def uneven_ranks() -> list[dict[str, dict[str, Any]]]:
+    """Four ranks on one node, each case making one rank the odd one out.
+
+    The fake constructor exchanges arguments like FlashInfer's, so ranks that
+    go separate ways hang here as they would on GPUs (0.33.0 does).
+    """
+    return run_group(
+        [
+            {"name": "mnnvl-fails-on-rank-2", "per_rank": {"2": {"fail": ["mnnvl"]}}},
+            {
+                "name": "hisparse-trtllm-fails-on-rank-1",
+                "hisparse": "connector",
+                "per_rank": {"1": {"fail": ["trtllm"]}},
+            },
+            {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
+            {
+                "name": "hisparse-differs",
+                "per_rank": {"0": {"hisparse": "connector"}},
+            },
+        ],
+        nnodes=1,
+        ranks_per_node=4,
+        timeout=180,
+    )
+
+
+def test_workspace_failure_on_one_rank_falls_back_on_every_rank(uneven_ranks):
+    results = _every_rank(uneven_ranks, "mnnvl-fails-on-rank-2")
+    for r in results:
+        assert r["workspace"] == r["quant"] == "trtllm"
+        assert r["standalone_ready"]
+        assert r["log"].count("create:mnnvl") == r["log"].count("create:trtllm") == 1
+    for r in results[:2] + results[3:]:
+        assert "destroy:mnnvl" in r["log"], "a workspace the group gave up on"
+
+
+def test_workspace_failure_on_one_rank_with_hisparse_turns_off_every_rank(
+    uneven_ranks,
+):
+    results = _every_rank(uneven_ranks, "hisparse-trtllm-fails-on-rank-1")
+    for r in results:
+        assert r["workspace"] is None and r["quant"] is None
+        assert "create:mnnvl" not in r["log"]
+        # One attempt each for the fusion and the quant workspace, as in 0.33.0.
+        assert r["log"].count("create:trtllm") == 2
+    for r in results[:1] + results[2:]:
+        assert "destroy:trtllm" in r["log"]
+
+
+@pytest.mark.parametrize("case", ["env-differs", "hisparse-differs"])
+def test_flashinfer_auto_backend_ranks_that_disagree_turn_it_off(uneven_ranks, case):
+    for r in _every_rank(uneven_ranks, case):
+        assert r["workspace"] is None and r["quant"] is None
+        assert r["standalone_disabled"]
+        assert r["log"] == [], "no workspace may be attempted"
+        [line] = [m for m in r["messages"] if m.startswith("ERROR")]
+        assert all(f"rank {rank}:" in line for rank in range(4))
+        assert ENV in line

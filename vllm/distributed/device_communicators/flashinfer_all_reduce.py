@@ -85,8 +85,13 @@ _fi_ar_quant_workspace = None
 _fi_ar_workspace_failed = False
 _fi_ar_quant_workspace_failed = False
 _fi_ar_workspace_groups: dict[int, ProcessGroup] = {}
-# Node counting is itself a collective; do it once per process group.
+# Node counting is itself a collective and a group's nodes never change, so
+# count once per process group (0.33.0 counted several times at start-up).
 _fi_ar_node_counts: dict[ProcessGroup, int] = {}
+# The backend every rank of a group agreed on; reset with the workspaces.
+_fi_ar_decisions: dict[ProcessGroup, tuple[str | None, bool]] = {}
+# How a (backend, allow_trtllm_fallback) decision travels between ranks.
+_DECISION_BACKENDS = (None, "trtllm", "mnnvl")
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,7 @@ def _get_tuned_standalone_max_size(
     return None if max_size_mb is None else int(max_size_mb * MiB)
 
 
-def _create_workspace(
+def _try_create_workspace(
     backend: str,
     world_size: int,
     rank: int,
@@ -354,7 +359,7 @@ def _create_workspace(
     dtype: torch.dtype,
     group: ProcessGroup,
 ):
-    """Create a flashinfer allreduce workspace, returning None on failure."""
+    """This rank's part of creating a workspace; None if it failed here."""
     comm_backend = TorchDistBackend(group=group)
     rng_state = random.getstate()
     try:
@@ -393,6 +398,48 @@ def _create_workspace(
         return None
     finally:
         random.setstate(rng_state)
+    return workspace
+
+
+def _all_ranks_succeeded(succeeded: bool, group: ProcessGroup) -> bool:
+    """Vote on a creation outcome so every rank takes the same next step.
+
+    Creation is collective: a rank that fell back (or gave up) on its own
+    while the others kept their workspace would leave the group hung in
+    mismatched collectives.
+    """
+    if dist.get_world_size(group) == 1:
+        return succeeded
+    vote = torch.tensor([int(succeeded)], dtype=torch.int32)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group)
+    return bool(vote.item())
+
+
+def _create_workspace(
+    backend: str,
+    world_size: int,
+    rank: int,
+    max_token_num: int,
+    hidden_dim: int,
+    dtype: torch.dtype,
+    group: ProcessGroup,
+):
+    """Create a flashinfer allreduce workspace, returning None on failure.
+
+    It fails on every rank if it fails on any.
+    """
+    workspace = _try_create_workspace(
+        backend, world_size, rank, max_token_num, hidden_dim, dtype, group
+    )
+    if not _all_ranks_succeeded(workspace is not None, group):
+        if workspace is not None:
+            workspace.destroy()
+            logger.warning_once(
+                "FlashInfer %s all-reduce workspace failed on another rank; "
+                "released it here so all ranks take the same path.",
+                backend,
+            )
+        return None
     owner = _fi_ar_workspace_groups.setdefault(id(workspace), group)
     if owner is not group:
         raise RuntimeError(
@@ -412,38 +459,93 @@ def _create_workspace(
     return workspace
 
 
-def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
-    """Resolve the flashinfer allreduce backend for the current setup.
-
-    Gathers the inputs of `decide_fi_ar_backend` for `group` and logs the
-    outcome once per group.
-
-    Returns:
-        A ``(backend, allow_trtllm_fallback)`` tuple. ``backend`` is ``None``
-        when FlashInfer all-reduce should stay off for the process group.
-    """
+def _decide_for_group(group: ProcessGroup) -> FiArBackendDecision:
+    """This rank's view of the decision: gather the inputs and decide."""
     setting = envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND
-    inputs = FiArBackendInputs(
-        setting=setting,
-        node_count=_group_node_count(group),
-        device_capability=_device_capability(),
-        hisparse=_hisparse_enabled(),
-        flashinfer_version=_installed_flashinfer_version(),
+    decision = decide_fi_ar_backend(
+        FiArBackendInputs(
+            setting=setting,
+            node_count=_group_node_count(group),
+            device_capability=_device_capability(),
+            hisparse=_hisparse_enabled(),
+            flashinfer_version=_installed_flashinfer_version(),
+        )
     )
-    decision = decide_fi_ar_backend(inputs)
     if decision.known_issue is not None and setting != "auto":
         logger.warning_once(
             "%s. Unset %s to let vLLM pick a safe backend.",
             decision.reason,
             FI_AR_BACKEND_ENV,
         )
+    return decision
+
+
+def _decision_code(decision: tuple[str | None, bool]) -> int:
+    """A (backend, allow_trtllm_fallback) pair as one int, to all-gather."""
+    backend, allow_trtllm_fallback = decision
+    return _DECISION_BACKENDS.index(backend) * 2 + int(allow_trtllm_fallback)
+
+
+def _describe_decision_code(code: int) -> str:
+    backend = _DECISION_BACKENDS[code // 2] or "off"
+    return f"{backend} (may fall back to trtllm)" if code % 2 else backend
+
+
+def _agree_on_backend(
+    group: ProcessGroup, decision: FiArBackendDecision
+) -> tuple[str | None, bool]:
+    """Use the decision only if every rank made it; otherwise turn it off.
+
+    Ranks can see different inputs (the env var set on one node only,
+    HiSparse configured on some ranks), and ranks that create different
+    workspaces hang. One small CPU collective, once per group.
+    """
+    mine = (decision.backend, decision.allow_trtllm_fallback)
+    ranks = tuple(dist.get_process_group_ranks(group))
+    codes = [_decision_code(mine)] * len(ranks)
+    if len(ranks) > 1:
+        gathered = [torch.zeros(1, dtype=torch.int32) for _ in ranks]
+        local = torch.tensor([_decision_code(mine)], dtype=torch.int32)
+        dist.all_gather(gathered, local, group=group)
+        codes = [int(code.item()) for code in gathered]
+    if len(set(codes)) > 1:
+        views = ", ".join(
+            f"rank {rank}: {_describe_decision_code(code)}"
+            for rank, code in zip(ranks, codes, strict=True)
+        )
+        logger.error_once(
+            "FlashInfer all-reduce is off for ranks %s: they chose different "
+            "backends (%s). Set %s and the HiSparse config the same on every "
+            "node.",
+            ranks,
+            views,
+            FI_AR_BACKEND_ENV,
+        )
+        return None, False
     logger.info_once(
         "FlashInfer all-reduce backend for ranks %s: %s (%s)",
-        tuple(dist.get_process_group_ranks(group)),
+        ranks,
         decision.backend or "off",
         decision.reason,
     )
-    return decision.backend, decision.allow_trtllm_fallback
+    return mine
+
+
+def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
+    """Resolve the flashinfer allreduce backend for the current setup.
+
+    Decided once per process group and agreed on by all of its ranks; see
+    `decide_fi_ar_backend` for the rules.
+
+    Returns:
+        A ``(backend, allow_trtllm_fallback)`` tuple. ``backend`` is ``None``
+        when FlashInfer all-reduce should stay off for the process group.
+    """
+    agreed = _fi_ar_decisions.get(group)
+    if agreed is None:
+        agreed = _agree_on_backend(group, _decide_for_group(group))
+        _fi_ar_decisions[group] = agreed
+    return agreed
 
 
 def _check_backend_spans_group(backend: str, group: ProcessGroup) -> None:
@@ -600,7 +702,7 @@ def destroy_fi_ar_workspace():
         _fi_ar_workspace = _fi_ar_quant_workspace = None
         _fi_ar_workspace_failed = _fi_ar_quant_workspace_failed = False
         _fi_ar_workspace_groups.clear()
-        _fi_ar_node_counts.clear()
+        _fi_ar_decisions.clear()
 
 
 def _fi_ar_workspaces_for_group(group: ProcessGroup) -> list[Any]:
