@@ -280,6 +280,60 @@ def _run_node(spec_path: str, ranks: list[str]) -> int:
     return max(proc.wait() for proc in procs)
 
 
+# torch.distributed calls that are collective rounds on a group.
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "scatter",
+    "scatter_object_list",
+)
+
+
+class CollectiveCounter:
+    """Counts collective rounds, and vLLM's node probes, while installed."""
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.node_probes = 0
+        self._depth = 0
+
+    def install(self, patch: Any) -> None:
+        import torch.distributed as dist
+
+        from vllm.distributed import parallel_state
+
+        for name in COLLECTIVES:
+            patch.setattr(dist, name, self._counting(getattr(dist, name)))
+        probe = parallel_state.in_the_same_node_as
+        patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
+
+    def _counting(self, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            # Only top-level calls: one round, however it is implemented.
+            self.collectives += self._depth == 0
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    def _probing(self, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.node_probes += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
 class _LogCollector(logging.Handler):
     """Keeps vLLM's log lines (vLLM only configures logging in its CLI)."""
 
@@ -320,8 +374,12 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
 
     Case keys: name, env, hisparse, capability, multicast and fail (backends
     whose creation fails); `per_rank` maps a rank to overrides of any of them.
+    Each case gets a new gloo group, as a new engine would, so per-group
+    state starts cold. The result counts collective rounds and node probes,
+    and times the acquisition.
     """
     import importlib
+    import time
 
     import pytest
     import torch
@@ -348,15 +406,18 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
         )
         config = build_config(case.get("hisparse", "off"))
-        group = dist.group.WORLD
+        group = dist.new_group(backend="gloo")
         args = dict(
-            world_size=dist.get_world_size(),
+            world_size=dist.get_world_size(group),
             rank=rank,
             max_token_num=MAX_TOKENS,
             hidden_dim=HIDDEN_DIM,
             dtype=torch.bfloat16,
             group=group,
         )
+        counter = CollectiveCounter()
+        counter.install(patch)
+        start = time.perf_counter()
         with set_current_vllm_config(config):
             standalone = fi_ar.FlashInferAllReduce(group=group, device="cpu")
             result["standalone_disabled"] = standalone.disabled
@@ -369,6 +430,9 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
                 result["standalone_ready"] = standalone._ensure_workspace(
                     HIDDEN_DIM, torch.bfloat16
                 )
+        result["seconds"] = time.perf_counter() - start
+        result["collectives"] = counter.collectives
+        result["node_probes"] = counter.node_probes
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()

@@ -286,6 +286,13 @@ def test_standalone_workspace_enabled_on_one_node(one_node, case, backend):
         assert r["shared"]
 
 
+@pytest.mark.parametrize("case", ["auto", "hisparse", "no-multicast"])
+def test_standalone_workspace_acquisition_counts_nodes_once(one_node, case):
+    # Counting nodes is a collective; 0.33.0 repeated it on every resolve.
+    for r in _every_rank(one_node, case):
+        assert r["node_probes"] == 1
+
+
 def test_standalone_workspace_hisparse_one_node_never_tries_mnnvl(one_node):
     for r in _every_rank(one_node, "hisparse"):
         assert "create:mnnvl" not in r["log"]
