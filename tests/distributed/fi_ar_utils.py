@@ -33,6 +33,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
+ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HIDDEN_DIM = 4096
 MAX_TOKENS = 128
 # Stand-in for PassConfig.default_fi_allreduce_fusion_max_size_mb(), which
@@ -96,6 +97,20 @@ class FakeWorkspaceFactory:
     @property
     def attempts(self) -> list[str]:
         return [e.split(":", 1)[1] for e in self.log if e.startswith("create:")]
+
+
+def workspace_args(group: Any, world_size: int = 2) -> dict[str, Any]:
+    """Arguments for get_fi_ar_workspace / get_fi_ar_quant_workspace."""
+    import torch
+
+    return dict(
+        world_size=world_size,
+        rank=0,
+        max_token_num=MAX_TOKENS,
+        hidden_dim=HIDDEN_DIM,
+        dtype=torch.bfloat16,
+        group=group,
+    )
 
 
 def pin_gpu(

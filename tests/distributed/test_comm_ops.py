@@ -12,71 +12,21 @@ Upstream test plan:
         -k "flashinfer_auto_backend or workspace_failure or standalone_workspace"
 """
 
-import importlib
 import logging
 from typing import Any
 
 import pytest
-import torch
-import torch.distributed as dist
 from fi_ar_utils import (
-    HIDDEN_DIM,
-    MAX_TOKENS,
-    MODULE,
-    FakeWorkspaceFactory,
+    ENV,
     build_config,
-    free_port,
     namespaces_unavailable,
-    pin_gpu,
-    reset_log_once,
     run_group,
+    workspace_args,
 )
 
 from vllm.config import set_current_vllm_config
 
-ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HISPARSE_ON = ("connector", "multiconnector", "config")
-
-
-@pytest.fixture(scope="module")
-def cpu_group():
-    """A one-rank gloo group: a single node without any collectives."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
-@pytest.fixture
-def fi_ar(monkeypatch):
-    """The module under test on a Blackwell-like CUDA device, reset after use."""
-    module = importlib.import_module(MODULE)
-    pin_gpu(monkeypatch, 100)
-    monkeypatch.delenv(ENV, raising=False)
-    reset_log_once()
-    yield module
-    module.destroy_fi_ar_workspace()
-
-
-@pytest.fixture
-def fake_ws(fi_ar, monkeypatch) -> FakeWorkspaceFactory:
-    factory = FakeWorkspaceFactory()
-    monkeypatch.setattr(
-        fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
-    )
-    return factory
-
-
-def _args(group) -> dict[str, Any]:
-    return dict(
-        world_size=2,
-        rank=0,
-        max_token_num=MAX_TOKENS,
-        hidden_dim=HIDDEN_DIM,
-        dtype=torch.bfloat16,
-        group=group,
-    )
 
 
 def _info_lines(caplog) -> list[str]:
@@ -91,7 +41,7 @@ def _info_lines(caplog) -> list[str]:
 
 
 def test_flashinfer_auto_backend_single_node_uses_mnnvl(fi_ar, fake_ws, cpu_group):
-    ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+    ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
     assert ws.backend == "mnnvl"
     assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("mnnvl", True)
     assert fake_ws.attempts == ["mnnvl"]
@@ -101,8 +51,8 @@ def test_flashinfer_auto_backend_single_node_without_multicast_uses_trtllm(
     fi_ar, fake_ws, cpu_group
 ):
     fake_ws.multicast = False
-    ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
-    quant = fi_ar.get_fi_ar_quant_workspace(**_args(cpu_group))
+    ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    quant = fi_ar.get_fi_ar_quant_workspace(**workspace_args(cpu_group))
     assert ws.backend == "trtllm"
     assert quant is ws, "quant fusion must reuse the fallback, not retry mnnvl"
     assert fake_ws.attempts == ["mnnvl", "trtllm"]
@@ -114,7 +64,7 @@ def test_flashinfer_auto_backend_explicit_setting_is_obeyed(
     fi_ar, fake_ws, cpu_group, monkeypatch, setting
 ):
     monkeypatch.setenv(ENV, setting)
-    ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+    ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
     assert ws.backend == setting
     assert fi_ar._resolve_fi_ar_backend(cpu_group) == (setting, False)
     assert fake_ws.attempts == [setting]
@@ -125,14 +75,14 @@ def test_flashinfer_auto_backend_explicit_mnnvl_does_not_fall_back(
 ):
     monkeypatch.setenv(ENV, "mnnvl")
     fake_ws.multicast = False
-    assert fi_ar.get_fi_ar_workspace(**_args(cpu_group)) is None
+    assert fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group)) is None
     assert fake_ws.attempts == ["mnnvl"]
 
 
 def test_flashinfer_auto_backend_rejects_unknown_setting(fi_ar, cpu_group, monkeypatch):
     monkeypatch.setenv(ENV, "nvlink")
     with pytest.raises(ValueError, match=r"nvlink.*VLLM_FLASHINFER_ALLREDUCE_BACKEND"):
-        fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+        fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
 
 
 # --- HiSparse, single node -------------------------------------------------
@@ -145,8 +95,8 @@ def test_flashinfer_auto_backend_hisparse_single_node_uses_trtllm(
     caplog.set_level(logging.INFO)
     with set_current_vllm_config(build_config(hisparse)):
         assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("trtllm", False)
-        ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
-        quant = fi_ar.get_fi_ar_quant_workspace(**_args(cpu_group))
+        ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+        quant = fi_ar.get_fi_ar_quant_workspace(**workspace_args(cpu_group))
     assert ws.backend == "trtllm"
     assert quant is ws
     assert fake_ws.attempts == ["trtllm"], "must never try mnnvl first"
@@ -162,8 +112,8 @@ def test_flashinfer_auto_backend_hisparse_logged_once(
     with set_current_vllm_config(build_config("connector")):
         for _ in range(3):
             fi_ar._resolve_fi_ar_backend(cpu_group)
-        fi_ar.get_fi_ar_workspace(**_args(cpu_group))
-        fi_ar.get_fi_ar_quant_workspace(**_args(cpu_group))
+        fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+        fi_ar.get_fi_ar_quant_workspace(**workspace_args(cpu_group))
     assert len(_info_lines(caplog)) == 1
 
 
@@ -172,7 +122,7 @@ def test_flashinfer_auto_backend_hisparse_explicit_mnnvl_warns(
 ):
     monkeypatch.setenv(ENV, "mnnvl")
     with set_current_vllm_config(build_config("connector")):
-        ws = fi_ar.get_fi_ar_workspace(**_args(cpu_group))
+        ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
     assert ws.backend == "mnnvl"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("known to crash" in w and "flashinfer#7782" in w for w in warnings)
@@ -196,14 +146,14 @@ def test_workspace_failure_is_not_retried(
     monkeypatch.setenv(ENV, "trtllm")
     fake_ws.fail = {"trtllm"}
     for _ in range(3):
-        assert getattr(fi_ar, getter)(**_args(cpu_group)) is None
+        assert getattr(fi_ar, getter)(**workspace_args(cpu_group)) is None
     assert fake_ws.attempts == ["trtllm"]
 
 
 def test_workspace_failure_after_fallback_is_not_retried(fi_ar, fake_ws, cpu_group):
     fake_ws.fail = {"mnnvl", "trtllm"}
     for _ in range(3):
-        assert fi_ar.get_fi_ar_workspace(**_args(cpu_group)) is None
+        assert fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group)) is None
     assert fake_ws.attempts == ["mnnvl", "trtllm"]
 
 
@@ -213,7 +163,7 @@ def test_standalone_workspace_shared_with_quant_fusion(
 ):
     getters = [fi_ar.get_fi_ar_workspace, fi_ar.get_fi_ar_quant_workspace]
     first, second = (
-        g(**_args(cpu_group)) for g in getters[:: -1 if quant_first else 1]
+        g(**workspace_args(cpu_group)) for g in getters[:: -1 if quant_first else 1]
     )
     assert first is second
     assert fake_ws.attempts == ["mnnvl"]
@@ -224,8 +174,8 @@ def test_standalone_workspace_shared_with_quant_fusion(
 def test_standalone_workspace_checkpoint_covers_shared_workspace_once(
     fi_ar, fake_ws, cpu_group
 ):
-    fi_ar.get_fi_ar_workspace(**_args(cpu_group))
-    fi_ar.get_fi_ar_quant_workspace(**_args(cpu_group))
+    fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    fi_ar.get_fi_ar_quant_workspace(**workspace_args(cpu_group))
     fi_ar.checkpoint_prepare_fi_ar_workspaces(cpu_group)
     fi_ar.checkpoint_restore_fi_ar_workspaces(cpu_group)
     assert fake_ws.log.count("checkpoint_prepare:mnnvl") == 1

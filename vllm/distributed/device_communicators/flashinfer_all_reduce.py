@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-# Description: Keep HiSparse off FlashInfer's MNNVL all-reduce.
+# Description: Keep HiSparse off FlashInfer's MNNVL all-reduce, and make
+#  every rank agree on the backend.
 #  FlashInfer's MNNVL fused all-reduce + residual + RMSNorm kernel has a
 #  cluster-barrier race that HiSparse's host gathers on its copy stream set
 #  off; the engine then dies with "CUDA error: unspecified launch failure"
@@ -9,7 +10,12 @@
 #  VLLM_FLASHINFER_ALLREDUCE_BACKEND=auto, a single node now uses trtllm and
 #  a multi-node group turns FlashInfer all-reduce off (trtllm cannot span
 #  nodes). An explicit backend is still obeyed; explicit mnnvl with HiSparse
-#  logs a warning. Everything else behaves as in vllm 0.33.0.
+#  logs a warning.
+#  Workspace creation is collective, so the ranks of a group now agree on
+#  the backend (off if they differ) and vote on each creation, and the node
+#  count is computed once per group. The decision is a pure function,
+#  explained without a GPU by running this module (`--help`).
+#  Everything else behaves as in vllm 0.33.0.
 # Bug: https://github.com/vllm-project/vllm/issues/64327
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
 # Origin: vendor
@@ -29,12 +35,15 @@ without a GPU), and `_resolve_fi_ar_backend` gathers those inputs for a
 process group.
 """
 
+import argparse
 import atexit
+import json
 import os
 import random
+import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -148,6 +157,8 @@ class FiArKnownIssue:
     """What `auto` uses instead on a single node (None: off)."""
     multi_node_backend: str | None
     """What `auto` uses instead on a multi-node group (None: off)."""
+    replacement_note: str
+    """Why those replacements, for the reason line."""
     fixed_in: str | None
     """First flashinfer-python release with the fix; None while unreleased."""
 
@@ -182,9 +193,9 @@ FI_AR_KNOWN_ISSUES: tuple[FiArKnownIssue, ...] = (
         trigger="HiSparse is on",
         applies=lambda inputs: inputs.hisparse,
         unsafe_backend="mnnvl",
-        # trtllm is the safe single-node backend; it cannot span nodes.
         single_node_backend="trtllm",
         multi_node_backend=None,
+        replacement_note="trtllm has no such race but cannot span nodes",
         fixed_in=None,
     ),
 )
@@ -231,14 +242,17 @@ def _auto_choice(inputs: FiArBackendInputs) -> FiArBackendDecision:
 
 def decide_fi_ar_backend(
     inputs: FiArBackendInputs,
-    known_issues: tuple[FiArKnownIssue, ...] = FI_AR_KNOWN_ISSUES,
+    known_issues: tuple[FiArKnownIssue, ...] | None = None,
 ) -> FiArBackendDecision:
     """Choose the FlashInfer all-reduce backend; a pure function of `inputs`.
 
     An explicit setting is obeyed (a known issue only adds a warning to the
     reason). `auto` takes vllm 0.33.0's choice, then steers around any
-    unfixed known issue that applies to it.
+    unfixed known issue that applies to it. `known_issues` defaults to
+    FI_AR_KNOWN_ISSUES.
     """
+    if known_issues is None:
+        known_issues = FI_AR_KNOWN_ISSUES
     if inputs.setting not in FI_AR_BACKEND_CHOICES:
         raise ValueError(
             f"Invalid value {inputs.setting!r} for {FI_AR_BACKEND_ENV}. "
@@ -287,8 +301,8 @@ def decide_fi_ar_backend(
             backend,
             False,
             f"auto, {issue.trigger}: {issue.summary} ({issue.name}); {action} "
-            f"{where}. Set {FI_AR_BACKEND_ENV}={issue.unsafe_backend} to "
-            "override",
+            f"{where} ({issue.replacement_note}). Set "
+            f"{FI_AR_BACKEND_ENV}={issue.unsafe_backend} to override",
             known_issue=issue.name,
         )
     if retired:
@@ -890,3 +904,193 @@ class FlashInferAllReduce:
     def destroy(self):
         if not self.disabled:
             destroy_fi_ar_workspace()
+
+
+# --- explain: the decision for a deployment, on any machine -----------------
+
+
+def explain_fi_ar_backend(inputs: FiArBackendInputs) -> dict[str, Any]:
+    """The decision for `inputs` and whether start-up would fail, as data."""
+    decision = decide_fi_ar_backend(inputs)
+    error = None
+    if decision.backend == "trtllm" and inputs.node_count > 1:
+        error = trtllm_multi_node_error(inputs.node_count)
+    return {
+        "backend": decision.backend,
+        "allow_trtllm_fallback": decision.allow_trtllm_fallback,
+        "reason": decision.reason,
+        "known_issue": decision.known_issue,
+        "error": error,
+        "inputs": asdict(inputs),
+    }
+
+
+def _describe_backend(explained: dict[str, Any]) -> str:
+    if explained["error"]:
+        return f"error: {explained['backend']} cannot span nodes"
+    if explained["backend"] is None:
+        return "off"
+    if explained["allow_trtllm_fallback"]:
+        return f"{explained['backend']} (trtllm if no multicast)"
+    return explained["backend"]
+
+
+def fi_ar_decision_table() -> str:
+    """The decision across its input matrix, as a Markdown table for docs.
+
+    Multicast is left unknown, as it is at start-up, and FlashInfer is
+    taken to be a release without the fixes in FI_AR_KNOWN_ISSUES.
+    """
+    lines = [
+        f"| `{FI_AR_BACKEND_ENV}` | Nodes | GPU | HiSparse | Backend | Why |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for setting in FI_AR_BACKEND_CHOICES:
+        for node_count in (1, 2):
+            for capability in (90, 100):
+                for hisparse in (False, True):
+                    explained = explain_fi_ar_backend(
+                        FiArBackendInputs(
+                            setting=setting,
+                            node_count=node_count,
+                            device_capability=capability,
+                            hisparse=hisparse,
+                            flashinfer_version=None,
+                        )
+                    )
+                    why = explained["error"] or explained["reason"]
+                    lines.append(
+                        f"| `{setting}` | {node_count} | SM{capability} | "
+                        f"{'on' if hisparse else 'off'} | "
+                        f"{_describe_backend(explained)} | {why} |"
+                    )
+    return "\n".join(lines) + "\n"
+
+
+def _parse_capability(text: str) -> int:
+    """Accept 10.0, 100 or sm100 for a compute capability."""
+    value = text.lower().removeprefix("sm").removeprefix("_")
+    try:
+        if "." in value:
+            major, minor = value.split(".", 1)
+            return int(major) * 10 + int(minor)
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a compute capability; use e.g. 9.0, 10.0 or 100"
+        ) from None
+
+
+def _hisparse_in_kv_transfer_config(text: str) -> bool:
+    """HiSparse as `vllm serve --kv-transfer-config` would turn it on."""
+    from vllm.config import KVTransferConfig
+
+    try:
+        config = KVTransferConfig(**json.loads(text))
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"invalid --kv-transfer-config: {e}") from e
+    return config.has_connector("HiSparseConnector")
+
+
+def _explain_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm.distributed.device_communicators.flashinfer_all_reduce",
+        description="Explain which FlashInfer all-reduce backend vLLM picks for "
+        "a deployment, and why. Needs no GPU.",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=FI_AR_BACKEND_CHOICES,
+        help=f"the {FI_AR_BACKEND_ENV} setting (default: the environment's)",
+    )
+    parser.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes the tensor-parallel group spans (default: 1)",
+    )
+    parser.add_argument(
+        "--capability",
+        type=_parse_capability,
+        help="GPU compute capability, e.g. 9.0 or 10.0 (default: this GPU's)",
+    )
+    hisparse = parser.add_mutually_exclusive_group()
+    hisparse.add_argument(
+        "--hisparse",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="whether HiSparse is on (default: off)",
+    )
+    hisparse.add_argument(
+        "--kv-transfer-config",
+        type=_hisparse_in_kv_transfer_config,
+        dest="hisparse",
+        metavar="JSON",
+        help="the --kv-transfer-config given to vllm serve; HiSparse is on if "
+        "it has a HiSparseConnector, also inside a MultiConnector",
+    )
+    parser.add_argument(
+        "--multicast",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether the node has NVSwitch multicast (default: unknown, as "
+        "at start-up)",
+    )
+    parser.add_argument(
+        "--flashinfer-version",
+        default=_installed_flashinfer_version(),
+        help="flashinfer-python version (default: the installed one)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="print the decision table for the docs and exit",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the backend choice for the given deployment; 1 if it would fail."""
+    parser = _explain_parser()
+    args = parser.parse_args(argv)
+    if args.table:
+        print(fi_ar_decision_table(), end="")
+        return 0
+    try:
+        setting = args.backend or envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND
+    except ValueError as e:
+        parser.error(str(e))
+    if args.nnodes < 1:
+        parser.error("--nnodes must be at least 1")
+    inputs = FiArBackendInputs(
+        setting=setting,
+        node_count=args.nnodes,
+        device_capability=(
+            args.capability if args.capability is not None else _device_capability()
+        ),
+        hisparse=args.hisparse,
+        flashinfer_version=args.flashinfer_version,
+        multicast=args.multicast,
+    )
+    explained = explain_fi_ar_backend(inputs)
+    if args.json:
+        print(json.dumps(explained, indent=2))
+    else:
+        capability = inputs.device_capability
+        multicast = {None: "unknown", True: "yes", False: "no"}[inputs.multicast]
+        print(f"FlashInfer all-reduce backend: {_describe_backend(explained)}")
+        print(f"  why: {explained['error'] or explained['reason']}")
+        print(
+            f"  inputs: {FI_AR_BACKEND_ENV}={inputs.setting}, "
+            f"{inputs.node_count} node(s), "
+            f"GPU {f'SM{capability}' if capability else 'unknown'}, "
+            f"HiSparse {'on' if inputs.hisparse else 'off'}, "
+            f"multicast {multicast}, "
+            f"flashinfer-python {inputs.flashinfer_version or 'not installed'}"
+        )
+    return 1 if explained["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The backend decision as data: the pure function, retirement of known
+issues, the explain command and the docs table it generates."""
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import overlay
+import pytest
+from fi_ar_utils import ENV, build_config, workspace_args
+
+from vllm.config import set_current_vllm_config
+
+DOCS = overlay.REPO_ROOT / "docs" / "configuration" / "flashinfer_all_reduce.md"
+TABLE_BEGIN = "<!-- decision-table:begin -->\n"
+TABLE_END = "<!-- decision-table:end -->"
+HISPARSE_MULTI_CONNECTOR = json.dumps(
+    {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {
+                    "kv_connector": "HiSparseConnector",
+                    "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"host_pool_gib": 64},
+                }
+            ]
+        },
+    }
+)
+
+
+def _inputs(fi_ar, **overrides):
+    fields = dict(
+        setting="auto",
+        node_count=1,
+        device_capability=100,
+        hisparse=False,
+        flashinfer_version="0.7.2.post1",
+    )
+    return fi_ar.FiArBackendInputs(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "backend", "fallback"),
+    [
+        ({}, "mnnvl", True),
+        ({"multicast": False}, "trtllm", False),
+        ({"hisparse": True}, "trtllm", False),
+        ({"node_count": 2}, "mnnvl", False),
+        ({"node_count": 2, "device_capability": 90}, None, False),
+        ({"node_count": 2, "hisparse": True}, None, False),
+        ({"setting": "mnnvl", "hisparse": True}, "mnnvl", False),
+        ({"setting": "trtllm", "node_count": 2}, "trtllm", False),
+    ],
+)
+def test_flashinfer_auto_backend_decision_is_a_function_of_its_inputs(
+    fi_ar, overrides, backend, fallback
+):
+    decision = fi_ar.decide_fi_ar_backend(_inputs(fi_ar, **overrides))
+    assert (decision.backend, decision.allow_trtllm_fallback) == (backend, fallback)
+    assert decision.reason
+
+
+def _with_fix_in(fi_ar, version: str):
+    return tuple(
+        dataclasses.replace(issue, fixed_in=version)
+        for issue in fi_ar.FI_AR_KNOWN_ISSUES
+    )
+
+
+@pytest.mark.parametrize(
+    ("fixed_in", "backend"),
+    [("0.7.2.post1", "mnnvl"), ("0.7.2", "mnnvl"), ("0.7.3", "trtllm")],
+)
+def test_hisparse_override_retires_once_flashinfer_has_the_fix(
+    fi_ar, fixed_in, backend
+):
+    decision = fi_ar.decide_fi_ar_backend(
+        _inputs(fi_ar, hisparse=True), _with_fix_in(fi_ar, fixed_in)
+    )
+    assert decision.backend == backend
+    assert ("retired" in decision.reason) is (backend == "mnnvl")
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_hisparse_override_retirement_is_logged(
+    fi_ar, fake_ws, cpu_group, caplog, monkeypatch, fixed
+):
+    installed = fi_ar._installed_flashinfer_version()
+    fixed_in = installed if fixed else "9999.0"
+    monkeypatch.setattr(fi_ar, "FI_AR_KNOWN_ISSUES", _with_fix_in(fi_ar, fixed_in))
+    caplog.set_level(logging.INFO)
+    with set_current_vllm_config(build_config("connector")):
+        ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    assert ws.backend == ("mnnvl" if fixed else "trtllm")
+    [line] = [r.getMessage() for r in caplog.records if "backend for" in r.getMessage()]
+    assert ("retired" in line) is fixed
+    if fixed:
+        assert f"flashinfer-python {installed} >= {fixed_in}" in line
+
+
+def test_a_new_known_issue_needs_no_decision_change(fi_ar):
+    hypothetical = fi_ar.FiArKnownIssue(
+        name="flashinfer#0",
+        summary="a made-up trtllm bug on SM90",
+        links=(),
+        trigger="the GPU is SM90",
+        applies=lambda inputs: inputs.device_capability == 90,
+        unsafe_backend="trtllm",
+        single_node_backend=None,
+        multi_node_backend=None,
+        replacement_note="nothing else is safe",
+        fixed_in=None,
+    )
+    inputs = _inputs(fi_ar, multicast=False, device_capability=90)
+    assert fi_ar.decide_fi_ar_backend(inputs).backend == "trtllm"
+    decision = fi_ar.decide_fi_ar_backend(inputs, (hypothetical,))
+    assert decision.backend is None
+    assert decision.known_issue == "flashinfer#0"
+
+
+# --- explain ---------------------------------------------------------------
+
+
+def _explain(fi_ar, capsys, *argv: str) -> tuple[int, str]:
+    status = fi_ar.main(list(argv))
+    return status, capsys.readouterr().out
+
+
+def test_explain_hisparse_one_node_is_trtllm(fi_ar, capsys):
+    status, out = _explain(fi_ar, capsys, "--capability", "10.0", "--hisparse")
+    assert status == 0
+    assert out.startswith("FlashInfer all-reduce backend: trtllm\n")
+    assert "flashinfer#7782" in out and f"{ENV}=mnnvl to override" in out
+
+
+def test_explain_hisparse_two_nodes_is_off(fi_ar, capsys):
+    status, out = _explain(
+        fi_ar,
+        capsys,
+        *("--nnodes", "2", "--capability", "10.0"),
+        *("--kv-transfer-config", HISPARSE_MULTI_CONNECTOR, "--json"),
+    )
+    explained = json.loads(out)
+    assert status == 0
+    assert explained["backend"] is None
+    assert explained["known_issue"] == "flashinfer#7782"
+    assert explained["inputs"]["hisparse"] is True
+
+
+def test_explain_uses_the_environment_and_flags_a_failing_start(
+    fi_ar, capsys, monkeypatch
+):
+    monkeypatch.setenv(ENV, "trtllm")
+    status, out = _explain(fi_ar, capsys, "--nnodes", "2")
+    assert status == 1
+    assert "cannot span nodes" in out
+
+
+def test_explain_rejects_bad_input(fi_ar, capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        fi_ar.main(["--kv-transfer-config", "{not json"])
+    assert "invalid --kv-transfer-config" in capsys.readouterr().err
+    monkeypatch.setenv(ENV, "nvlink")
+    with pytest.raises(SystemExit):
+        fi_ar.main([])
+    assert "Valid options" in capsys.readouterr().err
+
+
+def test_explain_runs_without_a_gpu_as_a_script(overlay_modules):
+    """What an operator runs on a laptop: no GPU, no current vLLM config."""
+    script = overlay_modules[
+        "vllm.distributed.device_communicators.flashinfer_all_reduce"
+    ]
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    proc = subprocess.run(
+        [sys.executable, str(script), "--nnodes", "2", "--hisparse", "--json"]
+        + ["--capability", "10.0"],
+        capture_output=True,
+        text=True,
+        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    explained = json.loads(proc.stdout)
+    assert explained["backend"] is None
+    assert explained["known_issue"] == "flashinfer#7782"
+
+
+def test_docs_decision_table_matches_the_code(fi_ar):
+    page = DOCS.read_text()
+    start = page.index(TABLE_BEGIN) + len(TABLE_BEGIN)
+    documented = page[start : page.index(TABLE_END, start)]
+    assert documented == fi_ar.fi_ar_decision_table(), (
+        f"{DOCS.name} is out of date; regenerate its table with "
+        "`python -m vllm.distributed.device_communicators.flashinfer_all_reduce "
+        "--table`"
+    )
