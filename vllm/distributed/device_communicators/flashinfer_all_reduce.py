@@ -586,6 +586,44 @@ def _reuse_or_create(
     )
 
 
+def _acquire_workspace(
+    backend: str,
+    allow_trtllm_fallback: bool,
+    other,
+    shape: tuple,
+    kind: str,
+):
+    """Create (or share) a `kind` workspace, falling back to trtllm if allowed.
+
+    Returns None after logging the failure; callers remember it, because
+    creation is collective and is not retried.
+    """
+    workspace = _reuse_or_create(backend, other, *shape)
+    if workspace is None and allow_trtllm_fallback and backend != "trtllm":
+        logger.warning_once(
+            "FlashInfer mnnvl allreduce %s workspace unavailable (likely no "
+            "NVSwitch multicast support); falling back to trtllm backend for "
+            "single node.",
+            kind,
+        )
+        backend = "trtllm"
+        workspace = _reuse_or_create(backend, other, *shape)
+    if workspace is not None:
+        logger.info_once(
+            "Initialized FlashInfer Allreduce norm %s workspace with backend=%s",
+            kind,
+            backend,
+        )
+    else:
+        logger.error_once(
+            "Failed to initialize FlashInfer Allreduce norm %s workspace with "
+            "backend=%s",
+            kind,
+            backend,
+        )
+    return workspace
+
+
 def get_fi_ar_workspace(
     world_size: int,
     rank: int,
@@ -618,27 +656,10 @@ def get_fi_ar_workspace(
         max_token_num = max(max_token_num, max_size // (hidden_dim * element_size))
 
     shape = (world_size, rank, max_token_num, hidden_dim, dtype, group)
-    _fi_ar_workspace = _reuse_or_create(backend, _fi_ar_quant_workspace, *shape)
-    if _fi_ar_workspace is None and allow_trtllm_fallback and backend != "trtllm":
-        logger.warning_once(
-            "FlashInfer mnnvl allreduce workspace unavailable (likely no NVSwitch "
-            "multicast support); falling back to trtllm backend for single node."
-        )
-        backend = "trtllm"
-        _fi_ar_workspace = _reuse_or_create(backend, _fi_ar_quant_workspace, *shape)
-
-    if _fi_ar_workspace is not None:
-        logger.info_once(
-            "Initialized FlashInfer Allreduce norm fusion workspace with backend=%s",
-            backend,
-        )
-    else:
-        _fi_ar_workspace_failed = True
-        logger.error_once(
-            "Failed to initialize FlashInfer Allreduce norm fusion workspace "
-            "with backend=%s",
-            backend,
-        )
+    _fi_ar_workspace = _acquire_workspace(
+        backend, allow_trtllm_fallback, _fi_ar_quant_workspace, shape, "fusion"
+    )
+    _fi_ar_workspace_failed = _fi_ar_workspace is None
     return _fi_ar_workspace
 
 
@@ -674,29 +695,10 @@ def get_fi_ar_quant_workspace(
     ):
         # The non-quant workspace already fell back; mnnvl would fail again.
         backend = "trtllm"
-    _fi_ar_quant_workspace = _reuse_or_create(backend, _fi_ar_workspace, *shape)
-    if _fi_ar_quant_workspace is None and allow_trtllm_fallback and backend != "trtllm":
-        logger.warning_once(
-            "FlashInfer mnnvl allreduce quantization fusion workspace unavailable "
-            "(likely no NVSwitch multicast support); falling back to trtllm "
-            "backend for single node."
-        )
-        backend = "trtllm"
-        _fi_ar_quant_workspace = _reuse_or_create(backend, _fi_ar_workspace, *shape)
-
-    if _fi_ar_quant_workspace is not None:
-        logger.info_once(
-            "Initialized FlashInfer Allreduce norm quantization "
-            "fusion workspace with backend=%s",
-            backend,
-        )
-    else:
-        _fi_ar_quant_workspace_failed = True
-        logger.error_once(
-            "Failed to initialize FlashInfer Allreduce norm quantization "
-            "fusion workspace with backend=%s",
-            backend,
-        )
+    _fi_ar_quant_workspace = _acquire_workspace(
+        backend, allow_trtllm_fallback, _fi_ar_workspace, shape, "quantization fusion"
+    )
+    _fi_ar_quant_workspace_failed = _fi_ar_quant_workspace is None
     return _fi_ar_quant_workspace
 
 
