@@ -1,0 +1,86 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Each file under vllm/ is a drop-in for its upstream original.
+
+The rest of vLLM imports names from these files, so every top-level name
+of the original must still be there, and every function and method must
+take the same parameters.
+"""
+
+import ast
+from pathlib import Path
+
+import overlay
+import pytest
+
+Signatures = dict[str, list[str]]
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    args = fn.args
+    names = [a.arg for a in args.posonlyargs + args.args]
+    names += [f"*{args.vararg.arg}"] if args.vararg else []
+    names += [a.arg for a in args.kwonlyargs]
+    names += [f"**{args.kwarg.arg}"] if args.kwarg else []
+    defaults = [ast.unparse(d) for d in args.defaults + args.kw_defaults if d]
+    return names + [f"defaults={defaults}"]
+
+
+def _statements(body: list[ast.stmt]) -> list[ast.stmt]:
+    """Module-level statements, including those under top-level try/if."""
+    flat = []
+    for stmt in body:
+        flat.append(stmt)
+        if isinstance(stmt, ast.Try):
+            flat += _statements(stmt.body + stmt.orelse + stmt.finalbody)
+            for handler in stmt.handlers:
+                flat += _statements(handler.body)
+        elif isinstance(stmt, ast.If):
+            flat += _statements(stmt.body + stmt.orelse)
+    return flat
+
+
+def _top_level(path: Path) -> tuple[set[str], Signatures]:
+    """Top-level names, and the parameters of functions and methods."""
+    names: set[str] = set()
+    signatures: Signatures = {}
+    for stmt in _statements(ast.parse(path.read_text()).body):
+        if isinstance(stmt, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in stmt.names}
+        elif isinstance(stmt, ast.Assign):
+            names |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
+        elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            names.add(stmt.target.id)
+        elif isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(stmt.name)
+            signatures[stmt.name] = _parameters(stmt)
+        elif isinstance(stmt, ast.ClassDef):
+            names.add(stmt.name)
+            for item in stmt.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    signatures[f"{stmt.name}.{item.name}"] = _parameters(item)
+    return names, signatures
+
+
+@pytest.fixture(scope="module")
+def stock() -> Path:
+    return overlay.stock_root()
+
+
+@pytest.mark.parametrize("relative", overlay.replaced_files(), ids=str)
+def test_replaced_file_keeps_upstream_names_and_signatures(stock, relative):
+    ours_names, ours_signatures = _top_level(overlay.REPO_ROOT / relative)
+    upstream_names, upstream_signatures = _top_level(stock / relative)
+    assert upstream_names - ours_names == set()
+    for name, parameters in upstream_signatures.items():
+        assert ours_signatures.get(name) == parameters, name
+
+
+def test_replaced_file_opens_with_a_dep3_header():
+    fields = ("Description:", "Bug:", "Origin:", "Forwarded:", "Base: vllm==")
+    fields += ("Last-Update:", "Applied-Upstream:", "Drop-When:")
+    for relative in overlay.replaced_files():
+        text = (overlay.REPO_ROOT / relative).read_text()
+        header = text.split('"""', 1)[0]
+        for field in fields:
+            assert f"# {field}" in header, f"{relative}: no {field} line"
