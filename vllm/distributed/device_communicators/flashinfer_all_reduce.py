@@ -201,8 +201,13 @@ FI_AR_KNOWN_ISSUES: tuple[FiArKnownIssue, ...] = (
 )
 
 
-def trtllm_multi_node_error(node_count: int) -> str:
-    """The error for a trtllm workspace on a group that spans nodes."""
+def backend_span_error(backend: str | None, node_count: int) -> str | None:
+    """Why `backend` cannot serve a group of `node_count` nodes, if it cannot.
+
+    trtllm is single-node only; start-up and `explain` both apply this rule.
+    """
+    if backend != "trtllm" or node_count == 1:
+        return None
     return (
         f"FlashInfer all-reduce backend 'trtllm' cannot span nodes, but this "
         f"process group spans {node_count} nodes. Set {FI_AR_BACKEND_ENV}=mnnvl "
@@ -516,12 +521,12 @@ def _agree_on_backend(
     """
     mine = (decision.backend, decision.allow_trtllm_fallback)
     ranks = tuple(dist.get_process_group_ranks(group))
-    codes = [_decision_code(mine)] * len(ranks)
+    code = _decision_code(mine)
+    codes = [code]
     if len(ranks) > 1:
         gathered = [torch.zeros(1, dtype=torch.int32) for _ in ranks]
-        local = torch.tensor([_decision_code(mine)], dtype=torch.int32)
-        dist.all_gather(gathered, local, group=group)
-        codes = [int(code.item()) for code in gathered]
+        dist.all_gather(gathered, torch.tensor([code], dtype=torch.int32), group=group)
+        codes = [int(c.item()) for c in gathered]
     if len(set(codes)) > 1:
         views = ", ".join(
             f"rank {rank}: {_describe_decision_code(code)}"
@@ -563,9 +568,10 @@ def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
 
 
 def _check_backend_spans_group(backend: str, group: ProcessGroup) -> None:
-    """trtllm is single-node only; fail clearly instead of at first launch."""
-    if backend == "trtllm" and (node_count := _group_node_count(group)) > 1:
-        raise ValueError(trtllm_multi_node_error(node_count))
+    """Fail clearly instead of at the first kernel launch."""
+    error = backend_span_error(backend, _group_node_count(group))
+    if error is not None:
+        raise ValueError(error)
 
 
 def _reuse_or_create(
@@ -914,9 +920,7 @@ class FlashInferAllReduce:
 def explain_fi_ar_backend(inputs: FiArBackendInputs) -> dict[str, Any]:
     """The decision for `inputs` and whether start-up would fail, as data."""
     decision = decide_fi_ar_backend(inputs)
-    error = None
-    if decision.backend == "trtllm" and inputs.node_count > 1:
-        error = trtllm_multi_node_error(inputs.node_count)
+    error = backend_span_error(decision.backend, inputs.node_count)
     return {
         "backend": decision.backend,
         "allow_trtllm_fallback": decision.allow_trtllm_fallback,
