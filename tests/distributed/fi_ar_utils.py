@@ -39,7 +39,6 @@ MAX_TOKENS = 128
 # Stand-in for PassConfig.default_fi_allreduce_fusion_max_size_mb(), which
 # imports the CUDA-op fusion passes and so cannot run without a GPU.
 FUSION_MAX_SIZE_MB = {2: 64, 4: 64, 8: 64}
-HISPARSE_MODES = ("off", "connector", "multiconnector", "config")
 
 
 class FakeWorkspace:
