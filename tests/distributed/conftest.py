@@ -8,7 +8,9 @@ import pytest
 import torch.distributed as dist
 from fi_ar_utils import (
     ENV,
+    EXPLAIN_MODULE,
     MODULE,
+    POLICY_MODULE,
     FakeWorkspaceFactory,
     free_port,
     pin_gpu,
@@ -17,13 +19,23 @@ from fi_ar_utils import (
 
 
 @pytest.fixture(scope="session")
-def cpu_group():
-    """A one-rank gloo group: a single node without any collectives."""
+def _cpu_world():
+    """A one-rank gloo world for the in-process tests."""
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
-    yield dist.group.WORLD
+    yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def cpu_group(_cpu_world):
+    """A new one-rank gloo group: a single node without any collectives.
+
+    New for each test, as for a new engine: the backend is decided once per
+    group for the life of the process.
+    """
+    return dist.new_group(ranks=[0], backend="gloo")
 
 
 @pytest.fixture
@@ -35,6 +47,18 @@ def fi_ar(monkeypatch):
     reset_log_once()
     yield module
     module.destroy_fi_ar_workspace()
+
+
+@pytest.fixture
+def policy():
+    """The pure backend decision and its known-issue registry."""
+    return importlib.import_module(POLICY_MODULE)
+
+
+@pytest.fixture
+def explain(fi_ar):
+    """The explain command, on the same faked device as `fi_ar`."""
+    return importlib.import_module(EXPLAIN_MODULE)
 
 
 @pytest.fixture

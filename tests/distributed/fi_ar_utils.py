@@ -33,6 +33,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
+POLICY_MODULE = f"{MODULE}_policy"
+GROUP_MODULE = f"{MODULE}_group"
+EXPLAIN_MODULE = f"{MODULE}_explain"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HIDDEN_DIM = 4096
 MAX_TOKENS = 128
@@ -386,8 +389,9 @@ def _run_rank(rank: int, spec_path: str) -> None:
 def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     """Acquire workspaces the way a worker does, recording what happened.
 
-    Case keys: name, env, hisparse, capability, multicast and fail (backends
-    whose creation fails); `per_rank` maps a rank to overrides of any of them.
+    Case keys: name, env, hisparse, capability, multicast, fail (backends
+    whose creation fails) and reacquire (destroy, then acquire again outside
+    the config); `per_rank` maps a rank to overrides of any of them.
     Each case gets a new gloo group, as a new engine would, so per-group
     state starts cold. The result counts collective rounds and node probes,
     and times the acquisition.
@@ -445,6 +449,22 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
                     HIDDEN_DIM, torch.bfloat16
                 )
         result["seconds"] = time.perf_counter() - start
+        if case.get("reacquire"):
+            # As after a recompile or sleep/wake: destroyed, then acquired
+            # again with no vLLM config current.
+            fi_ar.destroy_fi_ar_workspace()
+            again = fi_ar.FlashInferAllReduce(group=group, device="cpu")
+            result["reacquired"] = {
+                "standalone_disabled": again.disabled,
+                "standalone_ready": not again.disabled
+                and again._ensure_workspace(HIDDEN_DIM, torch.bfloat16),
+                "quant": getattr(
+                    fi_ar.get_fi_ar_quant_workspace(**args), "backend", None
+                ),
+                "workspace": getattr(
+                    fi_ar.get_fi_ar_workspace(**args), "backend", None
+                ),
+            }
         result["collectives"] = counter.collectives
         result["node_probes"] = counter.node_probes
     except Exception as e:

@@ -182,6 +182,39 @@ def test_standalone_workspace_checkpoint_covers_shared_workspace_once(
     assert fake_ws.log.count("checkpoint_restore:mnnvl") == 1
 
 
+@pytest.mark.parametrize("getter", ["get_fi_ar_workspace", "get_fi_ar_quant_workspace"])
+def test_flashinfer_auto_backend_hisparse_survives_workspace_destroy(
+    fi_ar, fake_ws, cpu_group, caplog, getter
+):
+    """A destroy (recompile, sleep/wake) must not send HiSparse to mnnvl.
+
+    The workspace may be re-created with no vLLM config current, where
+    HiSparse cannot be seen; the group's decision is kept instead.
+    """
+    caplog.set_level(logging.INFO)
+    acquire = getattr(fi_ar, getter)
+    with set_current_vllm_config(build_config("connector")):
+        assert acquire(**workspace_args(cpu_group)).backend == "trtllm"
+    fi_ar.destroy_fi_ar_workspace()
+    assert acquire(**workspace_args(cpu_group)).backend == "trtllm"
+    assert fake_ws.attempts == ["trtllm", "trtllm"]
+    assert len(_info_lines(caplog)) == 1
+
+
+@pytest.mark.parametrize("hisparse", ["off", "connector"])
+def test_standalone_workspace_shared_with_quant_fusion_quietly(
+    fi_ar, fake_ws, cpu_group, caplog, hisparse
+):
+    """Sharing the fusion workspace is not a new one: upstream logs nothing."""
+    caplog.set_level(logging.INFO)
+    with set_current_vllm_config(build_config(hisparse)):
+        ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+        caplog.clear()
+        quant = fi_ar.get_fi_ar_quant_workspace(**workspace_args(cpu_group))
+    assert quant is ws
+    assert not [r for r in caplog.records if "workspace" in r.getMessage()]
+
+
 # --- real rank groups: one node with two ranks, and two nodes ---------------
 
 requires_namespaces = pytest.mark.skipif(
@@ -197,6 +230,7 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
             {"name": "auto"},
             {"name": "hisparse", "hisparse": "connector"},
             {"name": "no-multicast", "multicast": False},
+            {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True},
         ],
         nnodes=1,
         ranks_per_node=2,
@@ -212,6 +246,7 @@ def two_nodes() -> list[dict[str, dict[str, Any]]]:
         {"name": "mnnvl", "env": {ENV: "mnnvl"}, "capability": 90},
     ]
     cases += [{"name": f"hisparse-{m}", "hisparse": m} for m in HISPARSE_ON]
+    cases += [{"name": "hisparse-reacquire", "hisparse": "config", "reacquire": True}]
     return run_group(cases, nnodes=2, ranks_per_node=2)
 
 
@@ -286,6 +321,37 @@ def test_standalone_workspace_disabled_without_backend(two_nodes):
     for r in _every_rank(two_nodes, "auto-90"):
         assert r["standalone_disabled"]
         assert r["log"] == []
+
+
+def _startup_lines(r: dict[str, Any]) -> list[str]:
+    return [m for m in r["messages"] if "all-reduce backend for" in m]
+
+
+def test_standalone_workspace_hisparse_survives_destroy_on_one_node(one_node):
+    for r in _every_rank(one_node, "hisparse-reacquire"):
+        assert r["reacquired"] == {
+            "standalone_disabled": False,
+            "standalone_ready": True,
+            "quant": "trtllm",
+            "workspace": "trtllm",
+        }
+        assert "create:mnnvl" not in r["log"]
+        assert len(_startup_lines(r)) == 1
+
+
+@requires_namespaces
+def test_flashinfer_auto_backend_hisparse_multi_node_stays_off_after_destroy(
+    two_nodes,
+):
+    for r in _every_rank(two_nodes, "hisparse-reacquire"):
+        assert r["reacquired"] == {
+            "standalone_disabled": True,
+            "standalone_ready": False,
+            "quant": None,
+            "workspace": None,
+        }
+        assert r["log"] == [], "no workspace may be attempted"
+        assert len(_startup_lines(r)) == 1
 
 
 # --- ranks that see different things must still agree ----------------------

@@ -9,10 +9,11 @@ import logging
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 
 import overlay
 import pytest
-from fi_ar_utils import ENV, build_config, workspace_args
+from fi_ar_utils import ENV, EXPLAIN_MODULE, build_config, workspace_args
 
 from vllm.config import set_current_vllm_config
 
@@ -36,7 +37,7 @@ HISPARSE_MULTI_CONNECTOR = json.dumps(
 )
 
 
-def _inputs(fi_ar, **overrides):
+def _inputs(policy, **overrides):
     fields = dict(
         setting="auto",
         node_count=1,
@@ -44,7 +45,7 @@ def _inputs(fi_ar, **overrides):
         hisparse=False,
         flashinfer_version="0.7.2.post1",
     )
-    return fi_ar.FiArBackendInputs(**{**fields, **overrides})
+    return policy.FiArBackendInputs(**{**fields, **overrides})
 
 
 @pytest.mark.parametrize(
@@ -61,17 +62,17 @@ def _inputs(fi_ar, **overrides):
     ],
 )
 def test_flashinfer_auto_backend_decision_is_a_function_of_its_inputs(
-    fi_ar, overrides, backend, fallback
+    policy, overrides, backend, fallback
 ):
-    decision = fi_ar.decide_fi_ar_backend(_inputs(fi_ar, **overrides))
+    decision = policy.decide_fi_ar_backend(_inputs(policy, **overrides))
     assert (decision.backend, decision.allow_trtllm_fallback) == (backend, fallback)
     assert decision.reason
 
 
-def _with_fix_in(fi_ar, version: str):
+def _with_fix_in(policy, version: str):
     return tuple(
         dataclasses.replace(issue, fixed_in=version)
-        for issue in fi_ar.FI_AR_KNOWN_ISSUES
+        for issue in policy.FI_AR_KNOWN_ISSUES
     )
 
 
@@ -80,10 +81,10 @@ def _with_fix_in(fi_ar, version: str):
     [("0.7.2.post1", "mnnvl"), ("0.7.2", "mnnvl"), ("0.7.3", "trtllm")],
 )
 def test_hisparse_override_retires_once_flashinfer_has_the_fix(
-    fi_ar, fixed_in, backend
+    policy, fixed_in, backend
 ):
-    decision = fi_ar.decide_fi_ar_backend(
-        _inputs(fi_ar, hisparse=True), _with_fix_in(fi_ar, fixed_in)
+    decision = policy.decide_fi_ar_backend(
+        _inputs(policy, hisparse=True), _with_fix_in(policy, fixed_in)
     )
     assert decision.backend == backend
     assert ("retired" in decision.reason) is (backend == "mnnvl")
@@ -91,11 +92,11 @@ def test_hisparse_override_retires_once_flashinfer_has_the_fix(
 
 @pytest.mark.parametrize("fixed", [True, False])
 def test_hisparse_override_retirement_is_logged(
-    fi_ar, fake_ws, cpu_group, caplog, monkeypatch, fixed
+    fi_ar, policy, fake_ws, cpu_group, caplog, monkeypatch, fixed
 ):
-    installed = fi_ar._installed_flashinfer_version()
+    installed = version("flashinfer-python")
     fixed_in = installed if fixed else "9999.0"
-    monkeypatch.setattr(fi_ar, "FI_AR_KNOWN_ISSUES", _with_fix_in(fi_ar, fixed_in))
+    monkeypatch.setattr(policy, "FI_AR_KNOWN_ISSUES", _with_fix_in(policy, fixed_in))
     caplog.set_level(logging.INFO)
     with set_current_vllm_config(build_config("connector")):
         ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
@@ -106,8 +107,8 @@ def test_hisparse_override_retirement_is_logged(
         assert f"flashinfer-python {installed} >= {fixed_in}" in line
 
 
-def test_a_new_known_issue_needs_no_decision_change(fi_ar):
-    hypothetical = fi_ar.FiArKnownIssue(
+def test_a_new_known_issue_needs_no_decision_change(policy):
+    hypothetical = policy.FiArKnownIssue(
         name="flashinfer#0",
         summary="a made-up trtllm bug on SM90",
         links=(),
@@ -119,9 +120,9 @@ def test_a_new_known_issue_needs_no_decision_change(fi_ar):
         replacement_note="nothing else is safe",
         fixed_in=None,
     )
-    inputs = _inputs(fi_ar, multicast=False, device_capability=90)
-    assert fi_ar.decide_fi_ar_backend(inputs).backend == "trtllm"
-    decision = fi_ar.decide_fi_ar_backend(inputs, (hypothetical,))
+    inputs = _inputs(policy, multicast=False, device_capability=90)
+    assert policy.decide_fi_ar_backend(inputs).backend == "trtllm"
+    decision = policy.decide_fi_ar_backend(inputs, (hypothetical,))
     assert decision.backend is None
     assert decision.known_issue == "flashinfer#0"
 
@@ -129,21 +130,21 @@ def test_a_new_known_issue_needs_no_decision_change(fi_ar):
 # --- explain ---------------------------------------------------------------
 
 
-def _explain(fi_ar, capsys, *argv: str) -> tuple[int, str]:
-    status = fi_ar.main(list(argv))
+def _explain(explain, capsys, *argv: str) -> tuple[int, str]:
+    status = explain.main(list(argv))
     return status, capsys.readouterr().out
 
 
-def test_explain_hisparse_one_node_is_trtllm(fi_ar, capsys):
-    status, out = _explain(fi_ar, capsys, "--capability", "10.0", "--hisparse")
+def test_explain_hisparse_one_node_is_trtllm(explain, capsys):
+    status, out = _explain(explain, capsys, "--capability", "10.0", "--hisparse")
     assert status == 0
     assert out.startswith("FlashInfer all-reduce backend: trtllm\n")
     assert "flashinfer#7782" in out and f"{ENV}=mnnvl to override" in out
 
 
-def test_explain_hisparse_two_nodes_is_off(fi_ar, capsys):
+def test_explain_hisparse_two_nodes_is_off(explain, capsys):
     status, out = _explain(
-        fi_ar,
+        explain,
         capsys,
         *("--nnodes", "2", "--capability", "10.0"),
         *("--kv-transfer-config", HISPARSE_MULTI_CONNECTOR, "--json"),
@@ -156,36 +157,41 @@ def test_explain_hisparse_two_nodes_is_off(fi_ar, capsys):
 
 
 def test_explain_uses_the_environment_and_flags_a_failing_start(
-    fi_ar, capsys, monkeypatch
+    explain, capsys, monkeypatch
 ):
     monkeypatch.setenv(ENV, "trtllm")
-    status, out = _explain(fi_ar, capsys, "--nnodes", "2")
+    status, out = _explain(explain, capsys, "--nnodes", "2")
     assert status == 1
     assert "cannot span nodes" in out
 
 
-def test_explain_rejects_bad_input(fi_ar, capsys, monkeypatch):
+def test_explain_rejects_bad_input(explain, capsys, monkeypatch):
     with pytest.raises(SystemExit):
-        fi_ar.main(["--kv-transfer-config", "{not json"])
+        explain.main(["--kv-transfer-config", "{not json"])
     assert "invalid --kv-transfer-config" in capsys.readouterr().err
     monkeypatch.setenv(ENV, "nvlink")
     with pytest.raises(SystemExit):
-        fi_ar.main([])
+        explain.main([])
     assert "Valid options" in capsys.readouterr().err
 
 
-def test_explain_runs_without_a_gpu_as_a_script(overlay_modules):
+def test_explain_runs_without_a_gpu_as_a_script():
     """What an operator runs on a laptop: no GPU, no current vLLM config."""
-    script = overlay_modules[
-        "vllm.distributed.device_communicators.flashinfer_all_reduce"
-    ]
     env = {k: v for k, v in os.environ.items() if k != ENV}
+    run = (
+        "import overlay, runpy; overlay.install(); "
+        f"runpy.run_module({EXPLAIN_MODULE!r}, run_name='__main__')"
+    )
     proc = subprocess.run(
-        [sys.executable, str(script), "--nnodes", "2", "--hisparse", "--json"]
+        [sys.executable, "-c", run, "--nnodes", "2", "--hisparse", "--json"]
         + ["--capability", "10.0"],
         capture_output=True,
         text=True,
-        env={**env, "CUDA_VISIBLE_DEVICES": ""},
+        env={
+            **env,
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": str(overlay.REPO_ROOT / "tests"),
+        },
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -194,12 +200,11 @@ def test_explain_runs_without_a_gpu_as_a_script(overlay_modules):
     assert explained["known_issue"] == "flashinfer#7782"
 
 
-def test_docs_decision_table_matches_the_code(fi_ar):
+def test_docs_decision_table_matches_the_code(explain):
     page = DOCS.read_text()
     start = page.index(TABLE_BEGIN) + len(TABLE_BEGIN)
     documented = page[start : page.index(TABLE_END, start)]
-    assert documented == fi_ar.fi_ar_decision_table(), (
+    assert documented == explain.fi_ar_decision_table(), (
         f"{DOCS.name} is out of date; regenerate its table with "
-        "`python -m vllm.distributed.device_communicators.flashinfer_all_reduce "
-        "--table`"
+        f"`{explain.EXPLAIN_COMMAND} --table`"
     )

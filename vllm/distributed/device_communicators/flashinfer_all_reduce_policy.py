@@ -1,0 +1,235 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+# Patch: added by the downstream HiSparse fix (vllm#64327), beside the replaced
+#  flashinfer_all_reduce.py. Goes away with that file.
+"""Which FlashInfer all-reduce backend to use, as a pure function.
+
+`decide_fi_ar_backend` sees only `FiArBackendInputs`, so the choice can be
+tested and explained without GPUs or process groups. FlashInfer bugs that
+`auto` steers around are data (`FI_AR_KNOWN_ISSUES`), each retiring itself
+once the installed flashinfer-python carries its fix.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+FI_AR_BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+FI_AR_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
+
+
+@dataclass(frozen=True)
+class FiArBackendInputs:
+    """Everything the FlashInfer all-reduce backend choice depends on."""
+
+    setting: str
+    """`VLLM_FLASHINFER_ALLREDUCE_BACKEND`: auto, trtllm or mnnvl."""
+    node_count: int
+    """Number of nodes the all-reduce process group spans."""
+    device_capability: int | None
+    """CUDA compute capability as `<major><minor>` (90, 100, ...)."""
+    hisparse: bool
+    """Whether HiSparse sparse-MLA KV offload is on."""
+    flashinfer_version: str | None
+    """Installed flashinfer-python version, if known."""
+    multicast: bool | None = None
+    """NVSwitch multicast availability; None while unknown (at start-up it is
+    only learned by trying to create an mnnvl workspace)."""
+
+
+@dataclass(frozen=True)
+class FiArBackendDecision:
+    """The outcome of `decide_fi_ar_backend`."""
+
+    backend: str | None
+    """The backend to create, or None to turn FlashInfer all-reduce off."""
+    allow_trtllm_fallback: bool
+    """Whether a failed mnnvl workspace may be retried as trtllm."""
+    reason: str
+    """One line saying why, for logs and `explain`."""
+    known_issue: str | None = None
+    """The FI_AR_KNOWN_ISSUES entry that changed or flagged the choice."""
+
+
+@dataclass(frozen=True)
+class FiArKnownIssue:
+    """A FlashInfer bug that makes `auto` steer clear of a backend.
+
+    An entry retires itself: once the installed flashinfer-python is at or
+    above `fixed_in`, `auto` makes its normal choice again. Adding an entry
+    needs no change to the decision logic.
+    """
+
+    name: str
+    summary: str
+    links: tuple[str, ...]
+    trigger: str
+    """When it fires, in words."""
+    applies: Callable[[FiArBackendInputs], bool]
+    """The trigger condition, on the decision inputs."""
+    unsafe_backend: str
+    single_node_backend: str | None
+    """What `auto` uses instead on a single node (None: off)."""
+    multi_node_backend: str | None
+    """What `auto` uses instead on a multi-node group (None: off)."""
+    replacement_note: str
+    """Why those replacements, for the reason line."""
+    fixed_in: str | None
+    """First flashinfer-python release with the fix; None while unreleased."""
+
+    def is_fixed(self, flashinfer_version: str | None) -> bool:
+        """Whether the installed FlashInfer already carries the fix."""
+        if self.fixed_in is None or flashinfer_version is None:
+            return False
+        try:
+            return Version(flashinfer_version) >= Version(self.fixed_in)
+        except InvalidVersion:
+            return False
+
+    def replacement(self, node_count: int) -> str | None:
+        """The backend `auto` uses instead of the unsafe one."""
+        if node_count == 1:
+            return self.single_node_backend
+        return self.multi_node_backend
+
+
+FI_AR_KNOWN_ISSUES: tuple[FiArKnownIssue, ...] = (
+    FiArKnownIssue(
+        name="flashinfer#7782",
+        summary=(
+            "FlashInfer's MNNVL all-reduce has a cluster-barrier race that "
+            "HiSparse host gathers set off (CUDA error: unspecified launch "
+            "failure)"
+        ),
+        links=(
+            "https://github.com/flashinfer-ai/flashinfer/issues/7782",
+            "https://github.com/vllm-project/vllm/issues/64327",
+        ),
+        trigger="HiSparse is on",
+        applies=lambda inputs: inputs.hisparse,
+        unsafe_backend="mnnvl",
+        single_node_backend="trtllm",
+        multi_node_backend=None,
+        replacement_note="trtllm has no such race but cannot span nodes",
+        fixed_in=None,
+    ),
+)
+
+
+def backend_span_error(backend: str | None, node_count: int) -> str | None:
+    """Why `backend` cannot serve a group of `node_count` nodes, if it cannot.
+
+    trtllm is single-node only; start-up and `explain` both apply this rule.
+    """
+    if backend != "trtllm" or node_count == 1:
+        return None
+    return (
+        f"FlashInfer all-reduce backend 'trtllm' cannot span nodes, but this "
+        f"process group spans {node_count} nodes. Set {FI_AR_BACKEND_ENV}=mnnvl "
+        f"(Blackwell MNNVL systems) or {FI_AR_BACKEND_ENV}=auto."
+    )
+
+
+def _auto_choice(inputs: FiArBackendInputs) -> FiArBackendDecision:
+    """What `auto` picks when no known issue applies (vllm 0.33.0's rule)."""
+    if inputs.node_count == 1:
+        if inputs.multicast is False:
+            return FiArBackendDecision(
+                "trtllm", False, "auto, single node without NVSwitch multicast"
+            )
+        # MNNVL decodes faster than TRTLLM on single-node NVSwitch systems
+        # (about 3-5% at TP4/TP8 on H200 and B200); TRTLLM is the fallback
+        # where the node lacks the multicast that MNNVL needs.
+        return FiArBackendDecision(
+            "mnnvl",
+            True,
+            "auto, single node (trtllm if NVSwitch multicast is unavailable)",
+        )
+    if inputs.device_capability is not None and inputs.device_capability >= 100:
+        return FiArBackendDecision(
+            "mnnvl",
+            False,
+            f"auto, {inputs.node_count} nodes on Blackwell: mnnvl is the only "
+            "backend that spans nodes",
+        )
+    return FiArBackendDecision(
+        None,
+        False,
+        f"auto, {inputs.node_count} nodes: a multi-node group needs MNNVL on "
+        "Blackwell (SM100+), so FlashInfer all-reduce is off",
+    )
+
+
+def decide_fi_ar_backend(
+    inputs: FiArBackendInputs,
+    known_issues: tuple[FiArKnownIssue, ...] | None = None,
+) -> FiArBackendDecision:
+    """Choose the FlashInfer all-reduce backend; a pure function of `inputs`.
+
+    An explicit setting is obeyed (a known issue only adds a warning to the
+    reason). `auto` takes vllm 0.33.0's choice, then steers around any
+    unfixed known issue that applies to it. `known_issues` defaults to
+    FI_AR_KNOWN_ISSUES.
+    """
+    if known_issues is None:
+        known_issues = FI_AR_KNOWN_ISSUES
+    if inputs.setting not in FI_AR_BACKEND_CHOICES:
+        raise ValueError(
+            f"Invalid value {inputs.setting!r} for {FI_AR_BACKEND_ENV}. "
+            f"Valid options: {list(FI_AR_BACKEND_CHOICES)}."
+        )
+    if inputs.setting != "auto":
+        for issue in known_issues:
+            if (
+                issue.unsafe_backend == inputs.setting
+                and issue.applies(inputs)
+                and not issue.is_fixed(inputs.flashinfer_version)
+            ):
+                return FiArBackendDecision(
+                    inputs.setting,
+                    False,
+                    f"{FI_AR_BACKEND_ENV}={inputs.setting} is set explicitly; "
+                    f"this is known to crash when {issue.trigger}: "
+                    f"{issue.summary} ({issue.name})",
+                    known_issue=issue.name,
+                )
+        return FiArBackendDecision(
+            inputs.setting,
+            False,
+            f"{FI_AR_BACKEND_ENV}={inputs.setting} is set explicitly",
+        )
+
+    choice = _auto_choice(inputs)
+    retired = []
+    for issue in known_issues:
+        if choice.backend != issue.unsafe_backend or not issue.applies(inputs):
+            continue
+        if issue.is_fixed(inputs.flashinfer_version):
+            retired.append(
+                f"the {issue.name} override is retired: flashinfer-python "
+                f"{inputs.flashinfer_version} >= {issue.fixed_in} has the fix"
+            )
+            continue
+        backend = issue.replacement(inputs.node_count)
+        where = (
+            "on a single node"
+            if inputs.node_count == 1
+            else f"on {inputs.node_count} nodes"
+        )
+        action = f"using {backend}" if backend else "FlashInfer all-reduce is off"
+        return FiArBackendDecision(
+            backend,
+            False,
+            f"auto, {issue.trigger}: {issue.summary} ({issue.name}); {action} "
+            f"{where} ({issue.replacement_note}). Set "
+            f"{FI_AR_BACKEND_ENV}={issue.unsafe_backend} to override",
+            known_issue=issue.name,
+        )
+    if retired:
+        return FiArBackendDecision(
+            choice.backend,
+            choice.allow_trtllm_fallback,
+            f"{choice.reason}; {'; '.join(retired)}",
+        )
+    return choice
