@@ -14,6 +14,8 @@ wheel instead, so a test can be shown to fail against upstream.
 import importlib.abc
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -45,17 +47,39 @@ def _module_name(relative: Path) -> str:
 def build_backend() -> ModuleType:
     """tools/precompiled_overlay.py, which knows the pinned base wheel.
 
-    Imported by path: tools/ is a PEP 517 backend-path, not a package.
+    tools/ is a PEP 517 backend-path, not a package: put it on sys.path as a
+    build frontend does, so the backend's helper modules there import too.
     """
-    loaded = sys.modules.get(BACKEND_NAME)
-    if loaded is not None:
-        return loaded
-    spec = importlib.util.spec_from_file_location(BACKEND_NAME, BACKEND_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[BACKEND_NAME] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    tools = str(BACKEND_PATH.parent)
+    if tools not in sys.path:
+        sys.path.append(tools)
+    return importlib.import_module(BACKEND_NAME)
+
+
+def run_tool(
+    root: Path, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python tools/precompiled_overlay.py ARGS`` in ``root``.
+
+    In its own session, so a hung run is killed with every child (pip) it
+    started, and the test fails instead of hanging.
+    """
+    cmd = [sys.executable, "tools/precompiled_overlay.py", *args]
+    with subprocess.Popen(
+        cmd,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def stock_root() -> Path:

@@ -8,6 +8,8 @@ take the same parameters.
 """
 
 import ast
+import importlib
+import subprocess
 from pathlib import Path
 
 import overlay
@@ -84,3 +86,34 @@ def test_replaced_file_opens_with_a_dep3_header():
         header = text.split('"""', 1)[0]
         for field in fields:
             assert f"# {field}" in header, f"{relative}: no {field} line"
+
+
+def test_every_file_is_declared_and_fits_the_base_wheel():
+    # The build's own check, on the real pinned wheel: a file under vllm/
+    # missing from pyproject.toml, or a stale pin, fails here too.
+    ovl = overlay.build_backend()
+    pins = ovl.load_pins()
+    overlay_root = overlay.REPO_ROOT / pins.name
+    originals = importlib.import_module("overlay_patch").check_base_wheel(
+        pins, overlay_root, ovl.collect_overlay(overlay_root), ovl.fetch_base_wheel()
+    )
+    assert sorted(originals) == sorted(pins.replaces)
+
+
+def test_diff_applied_to_upstream_gives_back_our_files(tmp_path):
+    pins = overlay.build_backend().load_pins()
+    proc = overlay.run_tool(overlay.REPO_ROOT, "diff", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    source = overlay.build_backend().extract_base_files(
+        list(pins.replaces), tmp_path / "upstream"
+    )
+    (tmp_path / "overlay.diff").write_text(proc.stdout)
+    subprocess.run(
+        ["git", "apply", str(tmp_path / "overlay.diff")],
+        cwd=source,
+        check=True,
+        timeout=60,
+    )
+    for relative in [*pins.replaces, *pins.adds]:
+        ours = (overlay.REPO_ROOT / relative).read_bytes()
+        assert (source / relative).read_bytes() == ours, relative

@@ -10,9 +10,11 @@ same spirit as vLLM's own ``VLLM_USE_PRECOMPILED`` builds. A build:
    certificate and proxy settings apply), or takes it from
    ``VLLM_PRECOMPILED_WHEEL_LOCATION`` (a local path or a URL), and checks it
    against the sha256 pinned in ``pyproject.toml``;
-2. unpacks it with ``python -m wheel unpack``;
-3. copies every file under ``vllm/`` over the file of the same name (a file
-   that upstream does not ship is an error: the overlay is drop-in only);
+2. checks that every file under ``vllm/`` is declared in ``pyproject.toml``
+   and still fits upstream (``tools/overlay_patch.py``), then unpacks the
+   wheel with ``python -m wheel unpack``;
+3. copies every file under ``vllm/`` over the file of the same name, or
+   beside them for the files declared as added;
 4. repacks it with ``python -m wheel pack --local-version <label>`` and
    restores the base file name's tags with ``python -m wheel tags``.
 
@@ -29,7 +31,7 @@ import tempfile
 import tomllib
 import zipfile
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -75,6 +77,11 @@ class Pins:
     local_label: str
     sha256: Mapping[str, str]
     name: str = DIST_NAME
+    # Declared overlay files (tools/overlay_patch.py): each replaced file
+    # with the sha256 of the upstream original it was written against, and
+    # the files upstream does not ship.
+    replaces: Mapping[str, str] = field(default_factory=dict)
+    adds: tuple[str, ...] = ()
 
     @property
     def requirement(self) -> str:
@@ -93,13 +100,18 @@ class Pins:
 
 def load_pins(pyproject: Path = PYPROJECT) -> Pins:
     """Read and sanity-check the pins, so a typo fails before any download."""
+    import overlay_patch
+
     try:
         with pyproject.open("rb") as f:
             table = tomllib.load(f)["tool"][CONFIG_TABLE]
+        replaces, adds = overlay_patch.read_declarations(table, pyproject)
         pins = Pins(
             base_version=str(table["base-version"]),
             local_label=str(table["local-label"]),
             sha256=dict(table["sha256"]),
+            replaces=replaces,
+            adds=adds,
         )
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as err:
         raise OverlayError(
@@ -414,24 +426,41 @@ def collect_overlay(overlay_root: Path) -> list[Path]:
     return files
 
 
-def apply_overlay(tree: Path, source_root: Path, files: list[Path]) -> None:
+def apply_overlay(
+    tree: Path, source_root: Path, files: list[Path], adds: Iterable[str] = ()
+) -> None:
     """Replace upstream files in the unpacked tree (drop-in rule enforced).
 
-    Every missing target is listed at once, before anything is copied, so
-    the user fixes them in one go.
+    Only the declared ``adds`` may be new, and those must be. Every bad
+    target is listed at once, before anything is copied, so the user fixes
+    them in one go.
     """
-    missing = [rel for rel in files if not (tree / rel).is_file()]
-    if missing:
+    added = set(adds)
+    missing = [
+        rel
+        for rel in files
+        if not (tree / rel).is_file() and rel.as_posix() not in added
+    ]
+    shipped = [
+        rel for rel in files if (tree / rel).exists() and rel.as_posix() in added
+    ]
+    if missing or shipped:
         listed = "".join(f"  {rel.as_posix()}\n" for rel in missing)
+        listed += "".join(f"  {rel.as_posix()} (declared added)\n" for rel in shipped)
         raise OverlayError(
-            f"these overlay files are not in the base wheel {tree.name}:\n"
+            f"these overlay files do not fit the base wheel {tree.name}:\n"
             f"{listed}"
             "Fix: the overlay may only replace files that upstream ships "
-            "(drop-in rule); rename or remove them"
+            "(drop-in rule) and add files it does not; rename or remove them"
         )
     for rel in files:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source_root / rel, tree / rel)
-    print(f"precompiled_overlay: replaced {len(files)} file(s)", file=sys.stderr)
+    new = sum(rel.as_posix() in added for rel in files)
+    print(
+        f"precompiled_overlay: replaced {len(files) - new} file(s), added {new}",
+        file=sys.stderr,
+    )
 
 
 def _wheel_cli(*args: str) -> str:
@@ -472,7 +501,7 @@ def build_overlay_wheel(
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-") as work:
         _wheel_cli("unpack", "--dest", work, str(base_wheel))
         tree = _only_child(Path(work), "*")
-        apply_overlay(tree, overlay_root.parent, files)
+        apply_overlay(tree, overlay_root.parent, files, pins.adds)
         with tempfile.TemporaryDirectory(dir=wheel_directory, prefix=".overlay-") as s:
             stage = Path(s)
             pack_args = ["--dest-dir", s, "--local-version", pins.local_label]
@@ -510,6 +539,9 @@ def build(
     overlay_root = overlay_root or REPO_ROOT / pins.name
     files = collect_overlay(overlay_root)  # fail fast, before a download
     base = fetch_base_wheel(pins, location=location, cache_dir=cache_dir)
+    import overlay_patch  # before unpacking: the replaced files still fit
+
+    overlay_patch.check_base_wheel(pins, overlay_root, files, base, cache_dir)
     return build_overlay_wheel(base, wheel_directory, pins, overlay_root, files)
 
 
@@ -556,3 +588,10 @@ def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) ->
         "this overlay is built only as a wheel (it repacks the precompiled "
         "upstream wheel); use `pip wheel .` or `python -m build --wheel`"
     )
+
+
+if __name__ == "__main__":
+    # Maintainer commands (diff, rebase) live beside the backend.
+    from overlay_patch import main
+
+    raise SystemExit(main())

@@ -8,13 +8,14 @@ needs the real 336 MB base wheel.
 """
 
 import email.parser
+import hashlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import overlay
@@ -41,17 +42,23 @@ def make_wheel(
     wheel_tag: str = "py3-none-any",
     file_tags: str | None = None,
     init_source: str = "",
+    files: Mapping[str, str] | None = None,
 ) -> Path:
     """Pack a tiny vllm wheel; ``file_tags`` renames it like upstream's files.
 
     Upstream's WHEEL file says ``linux_x86_64`` while its file name says
     ``manylinux_2_28_x86_64``; ``file_tags`` reproduces that mismatch.
+    ``files`` maps ``vllm/...`` paths to contents that replace or join the
+    stock ones.
     """
     tree = where / f"vllm-{version}"
     dist_info = tree / f"vllm-{version}.dist-info"
     (tree / PATCHED).parent.mkdir(parents=True)
     (tree / "vllm" / "__init__.py").write_text(init_source)
     (tree / PATCHED).write_text(STOCK_SOURCE)
+    for rel, text in (files or {}).items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
     dist_info.mkdir()
     requires = "".join(f"Requires-Dist: {req}\n" for req in REQUIRES_DIST)
     (dist_info / "METADATA").write_text(
@@ -79,12 +86,16 @@ def _run_wheel_cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "wheel", *args], check=True, text=True)
 
 
+STOCK_PIN = hashlib.sha256(STOCK_SOURCE.encode()).hexdigest()
+
+
 def pins_for(*wheels: Path, base_version: str = "0.33.0"):
-    """Pins that trust exactly the given wheels."""
+    """Pins that trust exactly the given wheels, replacing the stock PATCHED."""
     return ovl.Pins(
         base_version=base_version,
         local_label="hisparse1",
         sha256={w.name: ovl.sha256_of(w) for w in wheels},
+        replaces={PATCHED.as_posix(): STOCK_PIN},
     )
 
 
@@ -450,7 +461,8 @@ def _scratch_project(tmp_path: Path, base: Path) -> Path:
     """A repo copy whose pins trust ``base``, to drive the backend through pip."""
     project = tmp_path / "project"
     (project / "tools").mkdir(parents=True)
-    shutil.copy(overlay.BACKEND_PATH, project / "tools")
+    for tool in ("precompiled_overlay.py", "overlay_patch.py"):
+        shutil.copy(overlay.BACKEND_PATH.parent / tool, project / "tools")
     shutil.copytree(make_overlay(tmp_path), project / "vllm")
     (project / "pyproject.toml").write_text(
         "[build-system]\n"
@@ -461,7 +473,9 @@ def _scratch_project(tmp_path: Path, base: Path) -> Path:
         "base-version = '0.33.0'\n"
         "local-label = 'hisparse1'\n\n"
         "[tool.vllm-overlay.sha256]\n"
-        f"'{base.name}' = '{ovl.sha256_of(base)}'\n"
+        f"'{base.name}' = '{ovl.sha256_of(base)}'\n\n"
+        "[tool.vllm-overlay.replaces]\n"
+        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n"
     )
     return project
 
