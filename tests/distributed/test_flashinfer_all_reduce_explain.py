@@ -72,7 +72,12 @@ def test_explain_takes_dotted_serve_options(explain, capsys):
     [
         (None, None),
         (HISPARSE, None),
-        (_multi(HISPARSE, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}), None),  # noqa: E501
+        (
+            _multi(
+                HISPARSE, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+            ),
+            None,
+        ),
         ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, None),
         (None, {"hisparse_config": {}}),
         (None, {"backend": "FLASHINFER"}),
@@ -113,9 +118,7 @@ def test_explain_and_the_engine_agree_on_hisparse(
     "text",
     [
         json.dumps(_multi("HiSparseConnector")),
-        json.dumps(
-            {**_multi(), "kv_connector_extra_config": {"connectors": None}}
-        ),
+        json.dumps({**_multi(), "kv_connector_extra_config": {"connectors": None}}),
         json.dumps(_multi({"kv_connector": "HiSparseConnector"})),
         json.dumps({"kv_connector": "HiSparseConnector"}),
         "{not json",

@@ -13,11 +13,11 @@ prints the backend for a deployment (nodes, GPU, HiSparse) and why, and
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import regex as re
 from pydantic import ValidationError
 
 import vllm.envs as envs
@@ -382,8 +382,7 @@ def _explain_parser() -> _ExplainParser:
     parser.add_argument(
         "--capability",
         type=parse_capability,
-        help="GPU compute capability, e.g. 9.0, 10.0 or sm100 (default: this "
-        "GPU's)",
+        help="GPU compute capability, e.g. 9.0, 10.0 or sm100 (default: this GPU's)",
     )
     parser.add_argument(
         "--hisparse",
