@@ -17,6 +17,8 @@ from packaging.version import InvalidVersion, Version
 
 FI_AR_BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 FI_AR_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
+# MNNVL spans nodes on Blackwell (SM100) and newer only.
+MNNVL_MULTI_NODE_MIN_CAPABILITY = 100
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,10 @@ def _auto_choice(inputs: FiArBackendInputs) -> FiArBackendDecision:
             True,
             "auto, single node (trtllm if NVSwitch multicast is unavailable)",
         )
-    if inputs.device_capability is not None and inputs.device_capability >= 100:
+    if (
+        inputs.device_capability is not None
+        and inputs.device_capability >= MNNVL_MULTI_NODE_MIN_CAPABILITY
+    ):
         return FiArBackendDecision(
             "mnnvl",
             False,
@@ -161,6 +166,28 @@ def _auto_choice(inputs: FiArBackendInputs) -> FiArBackendDecision:
     )
 
 
+def _without_multicast(
+    inputs: FiArBackendInputs, decision: FiArBackendDecision
+) -> FiArBackendDecision:
+    """What becomes of `decision` on a node known to lack NVSwitch multicast.
+
+    An mnnvl workspace cannot be created there. Only `auto` on one node may
+    fall back to trtllm (`_auto_choice` already picks it when multicast is
+    known to be missing); an explicit mnnvl and a multi-node mnnvl end with
+    FlashInfer all-reduce off, as start-up does when the creation fails.
+    """
+    if decision.backend != "mnnvl" or inputs.multicast is not False:
+        return decision
+    return FiArBackendDecision(
+        None,
+        False,
+        f"{decision.reason}; but mnnvl needs NVSwitch multicast, which this "
+        "node lacks, so its workspace cannot be created and FlashInfer "
+        "all-reduce is off",
+        known_issue=decision.known_issue,
+    )
+
+
 def decide_fi_ar_backend(
     inputs: FiArBackendInputs,
     known_issues: tuple[FiArKnownIssue, ...] | None = None,
@@ -170,8 +197,17 @@ def decide_fi_ar_backend(
     An explicit setting is obeyed (a known issue only adds a warning to the
     reason). `auto` takes vllm 0.33.0's choice, then steers around any
     unfixed known issue that applies to it. `known_issues` defaults to
-    FI_AR_KNOWN_ISSUES.
+    FI_AR_KNOWN_ISSUES. Multicast known to be missing turns an mnnvl choice
+    off, as its failed workspace does at start-up.
     """
+    return _without_multicast(inputs, _decide(inputs, known_issues))
+
+
+def _decide(
+    inputs: FiArBackendInputs,
+    known_issues: tuple[FiArKnownIssue, ...] | None,
+) -> FiArBackendDecision:
+    """`decide_fi_ar_backend` before a known lack of multicast is applied."""
     if known_issues is None:
         known_issues = FI_AR_KNOWN_ISSUES
     if inputs.setting not in FI_AR_BACKEND_CHOICES:

@@ -1,0 +1,298 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The explain command answers as `vllm serve` and start-up would: it reads
+the serve options with vLLM's parsers, mirrors what a missing multicast or an
+unknown GPU does, and says what the docs promise about rank agreement."""
+
+import inspect
+import json
+
+import overlay
+import pytest
+from fi_ar_utils import pin_gpu
+
+HISPARSE = {
+    "kv_connector": "HiSparseConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"host_pool_gib": 64},
+}
+
+
+def _multi(*connectors) -> dict:
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": list(connectors)},
+    }
+
+
+def _run(explain, capsys, *argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of one explain run."""
+    try:
+        status = explain.main(list(argv))
+    except SystemExit as e:
+        status = e.code
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def _json(explain, capsys, *argv: str) -> dict:
+    status, out, err = _run(explain, capsys, *argv, "--json")
+    assert status == 0, err
+    return json.loads(out)
+
+
+# --- point 2: the vllm serve options, read as vllm serve reads them --------
+
+
+def test_explain_expands_human_readable_numbers_as_vllm_serve_does(explain, capsys):
+    offload = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": "@"},
+    }
+    text = json.dumps(offload).replace('"@"', "80G")
+    explained = _json(explain, capsys, "--kv-transfer-config", text)
+    assert explained["inputs"]["hisparse"] is False
+
+
+def test_explain_takes_dotted_serve_options(explain, capsys):
+    explained = _json(
+        explain,
+        capsys,
+        *("--kv-transfer-config.kv_connector", "HiSparseConnector"),
+        *("--kv-transfer-config.kv_role", "kv_both"),
+        *("--kv-transfer-config.kv_connector_extra_config.host_pool_gib", "64"),
+    )
+    assert explained["inputs"]["hisparse"] is True
+
+
+@pytest.mark.parametrize(
+    ("kv_transfer_config", "attention_config"),
+    [
+        (None, None),
+        (HISPARSE, None),
+        (
+            _multi(
+                HISPARSE, {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+            ),
+            None,
+        ),
+        ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, None),
+        (None, {"hisparse_config": {}}),
+        (None, {"backend": "FLASHINFER"}),
+    ],
+)
+def test_explain_and_the_engine_agree_on_hisparse(
+    explain, capsys, kv_transfer_config, attention_config
+):
+    from vllm.config import (
+        AttentionConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    argv = []
+    kwargs = {}
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
+    if attention_config is not None:
+        argv += ["--attention-config", json.dumps(attention_config)]
+        kwargs["attention_config"] = AttentionConfig(**attention_config)
+    engine = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        scheduler_config=SchedulerConfig.default_factory(
+            disable_hybrid_kv_cache_manager=False
+        ),
+        **kwargs,
+    )
+    explained = _json(explain, capsys, *argv)
+    engine_hisparse = engine.attention_config.hisparse_config is not None
+    assert explained["inputs"]["hisparse"] is engine_hisparse
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(_multi("HiSparseConnector")),
+        json.dumps({**_multi(), "kv_connector_extra_config": {"connectors": None}}),
+        json.dumps(_multi({"kv_connector": "HiSparseConnector"})),
+        json.dumps({"kv_connector": "HiSparseConnector"}),
+        "{not json",
+    ],
+    ids=[
+        "connector-name-string",
+        "connectors-null",
+        "child-without-role",
+        "without-role",
+        "not-json",
+    ],
+)
+def test_explain_rejects_what_vllm_serve_rejects_in_one_line(explain, capsys, text):
+    status, out, err = _run(explain, capsys, "--kv-transfer-config", text)
+    assert status == 2
+    assert out == ""
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1
+    assert "error: invalid --kv-transfer-config: " in error_lines[0]
+    assert "Traceback" not in err and "_hisparse_in" not in err
+
+
+def test_explain_rejects_hisparse_beside_a_connector_without_hma(
+    explain, capsys, monkeypatch
+):
+    """vllm serve turns the hybrid KV cache manager off for such a
+    connector, and HiSparse then refuses to start."""
+    from vllm.platforms import current_platform
+
+    # Connector modules import CUDA kernels on a CUDA platform; explain
+    # runs where there is none.
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+    status, _, err = _run(
+        explain, capsys, "--kv-transfer-config", json.dumps(_multi(HISPARSE, example))
+    )
+    assert status == 2
+    assert "invalid --kv-transfer-config: HiSparse requires the hybrid KV" in err
+    status, _, _ = _run(
+        explain, capsys, "--kv-transfer-config", json.dumps(_multi(example))
+    )
+    assert status == 0
+
+
+def test_explain_rejects_a_bad_attention_config_in_one_line(explain, capsys):
+    status, _, err = _run(
+        explain, capsys, "--attention-config", '{"hisparse_config": {"bogus": 1}}'
+    )
+    assert status == 2
+    assert "error: invalid --attention-config: hisparse_config.bogus" in err
+
+
+def test_explain_warns_about_a_connector_vllm_does_not_know(explain, capsys):
+    config = json.dumps({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"})
+    status, out, err = _run(explain, capsys, "--kv-transfer-config", config)
+    assert status == 0
+    assert out.startswith("FlashInfer all-reduce backend: ")
+    assert "warning:" in err and "'NoSuchConnector'" in err
+
+
+def test_explain_hisparse_flag_does_not_contradict_the_serve_options(explain, capsys):
+    status, _, err = _run(
+        explain, capsys, "--no-hisparse", "--kv-transfer-config", json.dumps(HISPARSE)
+    )
+    assert status == 2
+    assert "cannot be combined" in err
+
+
+# --- point 3: answers as start-up would give them -------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--backend", "mnnvl", "--no-multicast"),
+        ("--nnodes", "2", "--capability", "10.0", "--no-multicast"),
+        ("--backend", "mnnvl", "--hisparse", "--no-multicast"),
+    ],
+)
+def test_explain_mnnvl_without_multicast_is_off(explain, capsys, monkeypatch, argv):
+    """Start-up cannot create the mnnvl workspace and does not fall back."""
+    monkeypatch.delenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", raising=False)
+    status, out, _ = _run(explain, capsys, *argv)
+    assert status == 0
+    assert out.startswith("FlashInfer all-reduce backend: off\n")
+    assert "multicast" in out.splitlines()[1]
+
+
+def test_explain_says_what_a_missing_multicast_would_do(explain, capsys):
+    status, out, _ = _run(explain, capsys, "--backend", "mnnvl")
+    assert status == 0
+    assert out.startswith("FlashInfer all-reduce backend: mnnvl (off if no multicast)")
+
+
+def test_policy_turns_explicit_mnnvl_off_without_multicast(policy):
+    inputs = policy.FiArBackendInputs(
+        setting="mnnvl",
+        node_count=1,
+        device_capability=100,
+        hisparse=False,
+        flashinfer_version=None,
+        multicast=False,
+    )
+    assert policy.decide_fi_ar_backend(inputs).backend is None
+
+
+@pytest.mark.parametrize(
+    ("text", "capability"),
+    [
+        ("9.0", 90),
+        ("10.0", 100),
+        ("12.1", 121),
+        ("90", 90),
+        ("100", 100),
+        ("sm90", 90),
+        ("sm_100", 100),
+        ("SM120", 120),
+    ],
+)
+def test_explain_capability_forms(explain, capsys, text, capability):
+    explained = _json(explain, capsys, "--capability", text)
+    assert explained["inputs"]["device_capability"] == capability
+
+
+@pytest.mark.parametrize("text", ["9.10", "10", "9", "1.0", "sm_90a", "1000", "09.0"])
+def test_explain_refuses_ambiguous_capabilities(explain, capsys, text):
+    status, out, err = _run(explain, capsys, "--capability", text)
+    assert status == 2
+    assert out == ""
+    assert "is not a compute capability" in err
+
+
+def test_explain_without_a_gpu_says_the_answer_depends_on_it(
+    explain, capsys, monkeypatch
+):
+    monkeypatch.delenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", raising=False)
+    pin_gpu(monkeypatch, None)
+    status, out, _ = _run(explain, capsys, "--nnodes", "2")
+    assert status == 0
+    assert out.startswith("FlashInfer all-reduce backend: depends on the GPU\n")
+    assert "--capability" in out
+    explained = _json(explain, capsys, "--nnodes", "2")
+    assert explained["depends_on"] == "device_capability"
+    assert explained["by_gpu"]["SM100+"]["backend"] == "mnnvl"
+    assert explained["by_gpu"]["below SM100"]["backend"] is None
+    # Where the GPU does not matter, the answer stays definite.
+    explained = _json(explain, capsys, "--nnodes", "2", "--hisparse")
+    assert explained["depends_on"] is None and explained["backend"] is None
+    assert explained["known_issue"] == "flashinfer#7782"
+
+
+def test_explain_usage_error_under_json_still_prints_json(explain, capsys):
+    status, out, err = _run(explain, capsys, "--json", "--capability", "9.10")
+    assert status == 2
+    assert "is not a compute capability" in json.loads(out)["usage_error"]
+    assert "error: argument --capability" in err
+
+
+def test_explain_documents_its_exit_statuses(explain, capsys):
+    status, out, _ = _run(explain, capsys, "--help")
+    assert status == 0
+    assert "exit status:" in out and "usage error" in out
+
+
+# --- point 5: the docs claim only what the creation vote does --------------
+
+
+def test_docs_say_where_the_creation_vote_stops(fi_ar):
+    readme = (overlay.REPO_ROOT / "README.md").read_text()
+    docs = (
+        overlay.REPO_ROOT / "docs" / "configuration" / "flashinfer_all_reduce.md"
+    ).read_text()
+    troubleshooting = docs[docs.index("## Troubleshooting") :]
+    assert "Ranks always agree" not in readme
+    assert "If creating a workspace fails on any" not in docs
+    for text in (readme, troubleshooting, inspect.getdoc(fi_ar._create_workspace)):
+        assert "before" in text and "rendezvous" in text
