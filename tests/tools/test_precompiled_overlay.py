@@ -29,6 +29,12 @@ REQUIRES_DIST = [
     'torch==2.13.0; platform_machine == "x86_64"',
 ]
 ENTRY_POINTS = "[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n"
+# The shape of the vcs-versioning file in upstream's wheel.
+VERSION_SOURCE = (
+    "__version__ = version = '{0}'\n"
+    "__version_tuple__ = version_tuple = (0, 33, 0)\n"
+    "__commit_id__ = commit_id = 'g4ba787ec9'\n"
+)
 
 
 ovl = overlay.build_backend()
@@ -51,7 +57,10 @@ def make_wheel(
     dist_info = tree / f"vllm-{version}.dist-info"
     (tree / PATCHED).parent.mkdir(parents=True)
     (tree / "vllm" / "__init__.py").write_text(init_source)
+    (tree / "vllm" / "_version.py").write_text(VERSION_SOURCE.format(version))
     (tree / PATCHED).write_text(STOCK_SOURCE)
+    for package in PATCHED.parents[:-2]:  # regular packages, as upstream's
+        (tree / package / "__init__.py").write_text("")
     dist_info.mkdir()
     requires = "".join(f"Requires-Dist: {req}\n" for req in REQUIRES_DIST)
     (dist_info / "METADATA").write_text(
@@ -450,7 +459,8 @@ def _scratch_project(tmp_path: Path, base: Path) -> Path:
     """A repo copy whose pins trust ``base``, to drive the backend through pip."""
     project = tmp_path / "project"
     (project / "tools").mkdir(parents=True)
-    shutil.copy(overlay.BACKEND_PATH, project / "tools")
+    for module in ovl.backend_modules():
+        shutil.copy(module, project / "tools")
     shutil.copytree(make_overlay(tmp_path), project / "vllm")
     (project / "pyproject.toml").write_text(
         "[build-system]\n"
