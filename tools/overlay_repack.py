@@ -6,8 +6,9 @@ Part of the precompiled_overlay build backend (tools/ is its backend-path).
 Compressing the few hundred MB of upstream binaries is nearly all of a
 build's time, so:
 
-- the target tags and version are written into the unpacked tree before
-  ``wheel pack`` runs, so the wheel is compressed exactly once;
+- the target tags and version are written into the few unpacked members
+  that change, and everything is packed once (``wheel``'s WheelFile, which
+  writes RECORD), streaming the untouched members from the base wheel;
 - a built wheel is cached, keyed by everything that decides its bytes, so
   reinstalling an unchanged tree copies a file instead of repacking;
 - ``SOURCE_DATE_EPOCH`` (default: the base wheel's own newest timestamp) and
@@ -19,21 +20,25 @@ an import hook (overlay_finder.py) that loads them from the working tree.
 
 import ast
 import calendar
+import email.policy
 import hashlib
 import json
 import os
 import re
 import shutil
 import stat
-import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterable
+from email.generator import BytesGenerator
+from email.parser import BytesParser
 from pathlib import Path
 
 import precompiled_overlay as ovl
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import parse_wheel_filename
+from wheel.wheelfile import WheelFile
 
 CACHE_SUBDIR = "overlay-wheels"
 # Each entry is a full wheel (a few hundred MB): keep the latest few only.
@@ -42,6 +47,7 @@ VERSION_MODULE = "vllm/_version.py"
 FINDER_SOURCE = Path(__file__).with_name("overlay_finder.py")
 EDITABLE_FINDER = "_vllm_overlay_finder"
 EDITABLE_PTH = "_vllm_overlay_editable.pth"
+_ZIP_EPOCH = 315532800  # 1980-01-01: the earliest time a zip entry can hold
 _VERSION_LINE = re.compile(r"^(__version__ = version = ).*$", re.M)
 _TUPLE_LINE = re.compile(r"^(__version_tuple__ = version_tuple = )(.*)$", re.M)
 # Local labels that vLLM 0.33.0 reads as something else (see check_label).
@@ -200,30 +206,113 @@ def repack(
     editable: bool,
     epoch: str,
 ) -> Path:
-    """Unpack, overlay, relabel and pack once; return the wheel in ``dest``."""
+    """Overlay, relabel and pack once; return the wheel in ``dest``.
+
+    Only the members that change (metadata, the version file, the overlaid
+    files) are unpacked; the rest streams from the base wheel straight into
+    the new one, which saves writing and re-reading the whole tree.
+    """
     name = target_name(base_wheel, pins)
     tree_root = overlay_root.parent
-    with tempfile.TemporaryDirectory(prefix="vllm-overlay-") as work:
-        with ovl.stage(f"unpacked {base_wheel.name}"):
-            ovl._wheel_cli("unpack", "--dest", work, str(base_wheel))
-        tree = ovl._only_child(Path(work), "*")
+    with (
+        zipfile.ZipFile(base_wheel) as src,
+        tempfile.TemporaryDirectory(prefix="vllm-overlay-") as work,
+    ):
+        members = {i.filename: i for i in src.infolist() if not i.is_dir()}
+        tree = Path(work) / base_wheel.name.split("-")[0]
+        dist_info = _dist_info_name(members)
+        touched = [f"{dist_info}/METADATA", f"{dist_info}/WHEEL", VERSION_MODULE]
+        touched += [rel.as_posix() for rel in files if rel.as_posix() in members]
+        for member in touched:
+            if member in members:
+                _extract(src, members[member], tree)
         if editable:
-            _make_editable(tree, tree_root, files)
+            dropped = _make_editable(tree, tree_root, files)
         else:
+            dropped = set()
             ovl.apply_overlay(tree, tree_root, files)
             _normalise_modes(tree, tree_root, files)
-        dist_info = ovl._only_child(tree, "*.dist-info")
-        _check_requires_python(dist_info)
-        write_tags(dist_info / "WHEEL", base_wheel.name)
+        _check_requires_python(tree / dist_info)
+        write_tags(tree / dist_info / "WHEEL", base_wheel.name)
         write_version(tree / VERSION_MODULE, pins)
-        env = {**os.environ, "SOURCE_DATE_EPOCH": epoch}
+        write_metadata_version(tree / dist_info / "METADATA", pins.version)
         with ovl.stage(f"packed {name} (SOURCE_DATE_EPOCH={epoch})"):
-            pack = ["--dest-dir", str(dest), "--local-version", pins.local_label]
-            ovl._wheel_cli("pack", *pack, str(tree), env=env)
-    built = ovl._only_child(dest, "*.whl")
-    if built.name != name:
-        raise ovl.OverlayError(f"built {built.name}, expected {name}")
-    return built
+            _pack(src, members, tree, dist_info, dropped, dest / name, pins, epoch)
+    return dest / name
+
+
+def _dist_info_name(members: dict) -> str:
+    found = {n.split("/", 1)[0] for n in members if n.split("/", 1)[0].endswith(".dist-info")}
+    if len(found) != 1:
+        raise ovl.OverlayError(f"the base wheel has {len(found)} .dist-info folders")
+    return found.pop()
+
+
+def _extract(src: zipfile.ZipFile, info: zipfile.ZipInfo, tree: Path) -> None:
+    """Unpack one member with the mode the archive gives it."""
+    target = tree / info.filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(src.read(info))
+    target.chmod((info.external_attr >> 16) & 0o777 or 0o644)
+
+
+def _pack(
+    src: zipfile.ZipFile,
+    members: dict,
+    tree: Path,
+    dist_info: str,
+    dropped: set,
+    target: Path,
+    pins: "ovl.Pins",
+    epoch: str,
+) -> None:
+    """Write the new wheel: changed files from ``tree``, the rest from ``src``.
+
+    ``wheel``'s WheelFile writes RECORD; files go in sorted order with the
+    .dist-info folder last, as ``wheel pack`` does, and all carry one time.
+    """
+    new_dist_info = f"{pins.name}-{pins.version}.dist-info"
+    local = {
+        p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file()
+    }
+    names = (set(members) | local) - dropped - {f"{dist_info}/RECORD"}
+    in_dist_info = sorted(n for n in names if n.startswith(f"{dist_info}/"))
+    ordered = sorted(set(names) - set(in_dist_info)) + in_dist_info
+    date_time = time.gmtime(max(int(epoch), _ZIP_EPOCH))[:6]
+    saved = os.environ.get("SOURCE_DATE_EPOCH")
+    os.environ["SOURCE_DATE_EPOCH"] = epoch  # for the RECORD entry WheelFile adds
+    try:
+        with WheelFile(target, "w") as out:
+            for member in ordered:
+                if member in local:
+                    path = tree / member
+                    data, mode = path.read_bytes(), stat.S_IMODE(path.stat().st_mode)
+                else:
+                    info = members[member]
+                    data, mode = src.read(info), (info.external_attr >> 16) & 0o777
+                arcname = member.replace(f"{dist_info}/", f"{new_dist_info}/", 1)
+                zinfo = zipfile.ZipInfo(arcname, date_time=date_time)
+                zinfo.external_attr = ((mode or 0o644) | stat.S_IFREG) << 16
+                zinfo.compress_type = zipfile.ZIP_DEFLATED
+                out.writestr(zinfo, data)
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
+    finally:
+        if saved is None:
+            del os.environ["SOURCE_DATE_EPOCH"]
+        else:
+            os.environ["SOURCE_DATE_EPOCH"] = saved
+
+
+def write_metadata_version(metadata: Path, version: str) -> None:
+    """Set METADATA's Version, as ``wheel pack --local-version`` does."""
+    with metadata.open("rb") as f:
+        message = BytesParser(policy=email.policy.compat32).parse(f)
+    del message["Version"]
+    message["Version"] = version
+    with metadata.open("wb") as f:
+        BytesGenerator(f, maxheaderlen=0).flatten(message)
 
 
 def _normalise_modes(tree: Path, source_root: Path, files: Iterable[Path]) -> None:
@@ -236,7 +325,7 @@ def _normalise_modes(tree: Path, source_root: Path, files: Iterable[Path]) -> No
         (tree / rel).chmod(0o755 if executable else 0o644)
 
 
-def _make_editable(tree: Path, source_root: Path, files: list[Path]) -> None:
+def _make_editable(tree: Path, source_root: Path, files: list[Path]) -> set[str]:
     """Leave the tree's Python files out and add the hook that imports them.
 
     Other files (data, if the tree ever has any) are copied in: vLLM finds
@@ -258,11 +347,11 @@ def _make_editable(tree: Path, source_root: Path, files: list[Path]) -> None:
         f"{EDITABLE_FINDER}.install({str(source_root.resolve())!r})\n"
     )
     pth.chmod(0o644)
-    print(
-        f"precompiled_overlay: editable: vllm modules under {source_root} load "
-        "from there; edit and restart, no reinstall",
-        file=sys.stderr,
+    ovl.log(
+        f"editable: vllm modules under {source_root} load from there; edit "
+        "and restart, no reinstall"
     )
+    return {rel.as_posix() for rel in python}
 
 
 def _check_requires_python(dist_info: Path) -> None:
@@ -294,7 +383,9 @@ def write_tags(wheel_file: Path, base_name: str) -> None:
     """
     tags = sorted(str(tag) for tag in parse_wheel_filename(base_name)[3])
     lines = wheel_file.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if not line.startswith("Tag:")]
+    # Headers only: upstream's file ends with a blank line, after which a
+    # Tag line would be body text that ``wheel pack`` does not read.
+    kept = [line for line in lines if line.strip() and not line.startswith("Tag:")]
     wheel_file.write_text("\n".join([*kept, *(f"Tag: {t}" for t in tags)]) + "\n")
 
 

@@ -13,8 +13,8 @@ same spirit as vLLM's own ``VLLM_USE_PRECOMPILED`` builds. A build:
 2. unpacks it with ``python -m wheel unpack``;
 3. copies every file under ``vllm/`` over the file of the same name (a file
    that upstream does not ship is an error: the overlay is drop-in only);
-4. writes the version and the base file name's tags into the unpacked tree
-   and packs it once with ``python -m wheel pack --local-version <label>``
+4. writes the version and the base file name's tags into the members that
+   change and packs the result once, as ``<version>+<local-label>``
    (tools/overlay_repack.py).
 
 The verified base wheel is cached, so a rebuild does not download it again,
