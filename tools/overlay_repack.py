@@ -141,6 +141,7 @@ def place(built: Path, wheel_directory: Path) -> None:
     os.close(fd)
     try:
         shutil.copyfile(built, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 is not what a dist/ file has
         os.replace(tmp, wheel_directory / built.name)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

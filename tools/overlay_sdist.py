@@ -108,6 +108,7 @@ def build_sdist(sdist_directory: Path, root: Path | None = None) -> str:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(raw.getvalue())
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 is not what a dist/ file has
             os.replace(tmp, sdist_directory / name)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -18,7 +18,9 @@ import zipfile
 from pathlib import Path
 
 import overlay
+import packaging
 import pytest
+import wheel
 from test_precompiled_overlay import (  # noqa: F401 (fixtures used by name)
     PATCHED,
     PATCHED_SOURCE,
@@ -341,3 +343,53 @@ def _only(folder: Path) -> Path:
     found = list(folder.iterdir())
     assert len(found) == 1, found
     return found[0]
+
+
+def test_no_deps_install_patches_an_existing_vllm_and_can_go_back(
+    tmp_path: Path,
+) -> None:
+    base = make_wheel(tmp_path)
+    project = _scratch_project(tmp_path, base)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=False, with_pip=False)
+    python = str(env_dir / "bin" / "python")
+    # The venv sees no other vllm; the backend's own needs are lent to it,
+    # as a build environment would install them.
+    lent = tmp_path / "lent"
+    lent.mkdir()
+    for package in (packaging, wheel):
+        (lent / package.__name__).symlink_to(Path(package.__file__).parent)
+    env = {
+        **os.environ,
+        ovl.LOCATION_ENV: str(base),
+        "PIP_NO_INDEX": "1",
+        "PIP_FIND_LINKS": str(base.parent),
+        "PYTHONPATH": str(lent),
+    }
+    pip = [sys.executable, "-m", "pip", "--python", python, "install"]
+    module = ".".join(PATCHED.with_suffix("").parts)
+    code = f"import vllm._version as v, {module} as m; print(v.__version__, m.STOCK)"
+    probe = [python, "-c", code]
+
+    def state() -> str:
+        proc = _run(probe)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    # Stock 0.33.0, like the vllm-openai:v0.33.0 image (which has its deps).
+    assert _run([*pip, "--no-deps", "vllm==0.33.0"], env=env).returncode == 0
+    assert state() == "0.33.0 True"
+
+    proc = _run([*pip, "--no-deps", "--no-build-isolation", str(project)], env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert state() == "0.33.0+hisparse1 False"
+
+    # pip counts 0.33.0+hisparse1 as satisfying ==0.33.0, so this does nothing.
+    proc = _run([*pip, "--no-deps", "vllm==0.33.0"], env=env)
+    assert "already satisfied" in proc.stdout
+    assert state() == "0.33.0+hisparse1 False"
+
+    # What the README says to do instead.
+    proc = _run([*pip, "--force-reinstall", "--no-deps", "vllm==0.33.0"], env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert state() == "0.33.0 True"
