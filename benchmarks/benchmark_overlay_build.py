@@ -44,7 +44,14 @@ def old_pipeline(base: Path, out: Path) -> None:
         tree = next(Path(work).iterdir())
         for rel in ovl.collect_overlay(overlay.REPO_ROOT / "vllm"):
             shutil.copyfile(overlay.REPO_ROOT / rel, tree / rel)
-        _wheel("pack", "--dest-dir", str(out), "--local-version", pins.local_label, str(tree))
+        _wheel(
+            "pack",
+            "--dest-dir",
+            str(out),
+            "--local-version",
+            pins.local_label,
+            str(tree),
+        )
         shutil.rmtree(tree)
         built = next(out.glob("*.whl"))
         _wheel(
@@ -98,7 +105,9 @@ def main() -> int:
         old = timed("old pipeline", lambda: old_pipeline(args.base, dirs["old"]))
         first = timed("first build", new_build(dirs["first"]))
         again = timed("unchanged rebuild", new_build(dirs["again"]))
-        same = [p.read_bytes() for p in (dirs["first"], dirs["again"]) for p in p.iterdir()]
+        same = [
+            p.read_bytes() for p in (dirs["first"], dirs["again"]) for p in p.iterdir()
+        ]
     print(f"first build / old:       {first / old:.2f} (target <= {FIRST_TARGET})")
     print(f"unchanged rebuild / old: {again / old:.2f} (target <= {REBUILD_TARGET})")
     met = first / old <= FIRST_TARGET and again / old <= REBUILD_TARGET

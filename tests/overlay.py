@@ -30,6 +30,7 @@ if str(TOOLS_DIR) not in sys.path:
     sys.path.append(str(TOOLS_DIR))
 
 import overlay_finder  # noqa: E402
+
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
 SOURCES = ("tree", "stock")
 

@@ -61,7 +61,7 @@ def check_label(label: str) -> None:
     """Refuse local labels that vLLM's own version checks would misread."""
     lowered = label.lower()
     for text, why in _LABEL_MISREAD:
-        if (lowered.startswith(text) if text == "g" else text in lowered):
+        if lowered.startswith(text) if text == "g" else text in lowered:
             raise ovl.OverlayError(
                 f"local-label {label!r} in pyproject.toml cannot be used: {why}.\n"
                 "Fix: choose another local-label"
@@ -243,7 +243,9 @@ def repack(
 
 
 def _dist_info_name(members: dict) -> str:
-    found = {n.split("/", 1)[0] for n in members if n.split("/", 1)[0].endswith(".dist-info")}
+    found = {
+        n.split("/", 1)[0] for n in members if n.split("/", 1)[0].endswith(".dist-info")
+    }
     if len(found) != 1:
         raise ovl.OverlayError(f"the base wheel has {len(found)} .dist-info folders")
     return found.pop()
@@ -273,9 +275,7 @@ def _pack(
     .dist-info folder last, as ``wheel pack`` does, and all carry one time.
     """
     new_dist_info = f"{pins.name}-{pins.version}.dist-info"
-    local = {
-        p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file()
-    }
+    local = {p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file()}
     names = (set(members) | local) - dropped - {f"{dist_info}/RECORD"}
     in_dist_info = sorted(n for n in names if n.startswith(f"{dist_info}/"))
     ordered = sorted(set(names) - set(in_dist_info)) + in_dist_info

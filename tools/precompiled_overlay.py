@@ -23,11 +23,9 @@ and so is the built wheel, so reinstalling an unchanged tree does not repack.
 ``build_sdist`` (tools/overlay_sdist.py) are the other PEP 517 hooks. Every
 stage is logged with its duration on stderr (``pip install -v`` shows it).
 
-This module must import on any Python 3 that pip runs it with, so that an
-unsupported one gets a message instead of a traceback.
+This module must import on Python 3.10 too (no tomllib), so that a Python
+outside the supported range gets a message instead of a traceback.
 """
-
-from __future__ import annotations
 
 import contextlib
 import hashlib
@@ -42,7 +40,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, Optional, TypeVar, Union
+from typing import NoReturn, TypeVar
 
 try:
     import tomllib
@@ -50,13 +48,13 @@ except ModuleNotFoundError:  # Python < 3.11: check_python() says so
     tomllib = None  # type: ignore[assignment]
 from urllib.parse import unquote, urlsplit
 
+from packaging.specifiers import SpecifierSet
 from packaging.tags import Tag, sys_tags
 from packaging.utils import (
     InvalidWheelFilename,
     canonicalize_name,
     parse_wheel_filename,
 )
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -745,7 +743,7 @@ def fail(err: OverlayError) -> NoReturn:
 # PEP 517 and PEP 660 hooks. ``config_settings`` is accepted and ignored:
 # every input comes from pyproject.toml and the environment, like vLLM's own
 # setup.py.
-ConfigSettings = Optional[Mapping[str, Union[str, list]]]
+ConfigSettings = Mapping[str, str | list[str]] | None
 
 
 def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:

@@ -3,7 +3,7 @@
 """Build errors name their cause and leave nothing half-done.
 
 Synthetic wheels only; pip reaches nothing but a closed loopback port (the
-offline_pip fixture of test_precompiled_overlay.py).
+offline_pip fixture, tests/tools/conftest.py).
 """
 
 import glob
@@ -15,12 +15,9 @@ from pathlib import Path
 
 import overlay
 import pytest
-from test_precompiled_overlay import (  # noqa: F401 (fixtures used by name)
-    closed_port,
+from test_precompiled_overlay import (
     make_overlay,
     make_wheel,
-    offline_pip,
-    out_dir,
     pins_for,
 )
 

@@ -3,7 +3,7 @@
 """The ways people install vLLM: wheel, editable, sdist, reproducible, cached.
 
 All on tiny synthetic base wheels, with pip cut off from every index (the
-offline_pip fixture of test_precompiled_overlay.py).
+offline_pip fixture, tests/tools/conftest.py).
 """
 
 import ast
@@ -21,15 +21,12 @@ import overlay
 import packaging
 import pytest
 import wheel
-from test_precompiled_overlay import (  # noqa: F401 (fixtures used by name)
+from test_precompiled_overlay import (
     PATCHED,
     PATCHED_SOURCE,
     _scratch_project,
     make_overlay,
     make_wheel,
-    offline_pip,
-    out_dir,
-    closed_port,
     pins_for,
     read_member,
 )
@@ -114,7 +111,9 @@ def test_two_builds_of_one_tree_are_identical(
     overlay_root = make_overlay(tmp_path)
     monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
     digests = []
-    for i, (mtime, umask) in enumerate([(1_600_000_000, 0o022), (1_700_000_000, 0o077)]):
+    for i, (mtime, umask) in enumerate(
+        [(1_600_000_000, 0o022), (1_700_000_000, 0o077)]
+    ):
         # A fresh checkout: other file times, another umask, no build cache.
         os.utime(overlay_root.parent / PATCHED, (mtime, mtime))
         out = tmp_path / f"out{i}"
