@@ -63,7 +63,6 @@ CONFIG_TABLE = "vllm-overlay"
 DIST_NAME = "vllm"
 LOCATION_ENV = "VLLM_PRECOMPILED_WHEEL_LOCATION"
 CACHE_SUBDIR = "precompiled-wheels"
-MIN_WHEEL = "wheel>=0.48.0"
 # The backend's own modules (shipped in the sdist, hashed into the cache key).
 BACKEND_MODULE_GLOBS = ("precompiled_overlay.py", "overlay_*.py")
 SKIPPED_DIRS = frozenset({"__pycache__"})
@@ -618,26 +617,6 @@ def apply_overlay(tree: Path, source_root: Path, files: list[Path]) -> None:
     for rel in files:
         shutil.copyfile(source_root / rel, tree / rel)
     print(f"precompiled_overlay: replaced {len(files)} file(s)", file=sys.stderr)
-
-
-def _wheel_cli(*args: str, env: Mapping[str, str] | None = None) -> str:
-    """Run ``python -m wheel``; the wheel project owns zip and RECORD details."""
-    cmd = [sys.executable, "-m", "wheel", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
-    if proc.returncode != 0:
-        hint = f" (this backend needs {MIN_WHEEL})" if "usage:" in proc.stderr else ""
-        raise OverlayError(
-            f"python -m wheel {args[0]} failed{hint}:\n{proc.stderr}{proc.stdout}"
-        )
-    return proc.stdout
-
-
-def _only_child(folder: Path, pattern: str) -> Path:
-    """The single entry a wheel CLI step left, found without parsing its output."""
-    found = sorted(folder.glob(pattern))
-    if len(found) != 1:
-        raise OverlayError(f"expected one {pattern} in {folder}, found {found}")
-    return found[0]
 
 
 def build_overlay_wheel(
