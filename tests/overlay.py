@@ -1,17 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Import this tree's replaced vLLM modules instead of the installed copies.
+"""Import this tree's vLLM modules instead of the installed copies.
 
 `pip install .` puts our files into site-packages, but a test run must
-exercise the working tree, never a stale installed copy. This installs a
-meta-path finder that maps each module under the repo's `vllm/` to its file
-here; the rest of vLLM still comes from the installed wheel.
+exercise the working tree, never a stale installed copy. This installs the
+same meta-path finder as the editable install (tools/overlay_finder.py): each
+module under the repo's `vllm/`, replaced or added, comes from its file here;
+the rest of vLLM still comes from the installed wheel.
 
-With source "stock", the same modules come from the pinned vllm 0.33.0 base
-wheel instead, so a test can be shown to fail against upstream.
+With source "stock", the replaced modules come from the pinned vllm 0.33.0
+base wheel instead, and the modules we add are not importable at all, as in
+upstream, so a test can be shown to fail against upstream.
 """
 
-import importlib.abc
 import importlib.util
 import os
 import signal
@@ -21,14 +22,22 @@ from pathlib import Path
 from types import ModuleType
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TOOLS_DIR = REPO_ROOT / "tools"
 BACKEND_NAME = "precompiled_overlay"
-BACKEND_PATH = REPO_ROOT / "tools" / f"{BACKEND_NAME}.py"
+BACKEND_PATH = TOOLS_DIR / f"{BACKEND_NAME}.py"
+# tools/ is the PEP 517 backend-path, not a package; its modules import their
+# siblings by plain name, as they do inside a build.
+if str(TOOLS_DIR) not in sys.path:
+    sys.path.append(str(TOOLS_DIR))
+
+import overlay_finder  # noqa: E402
+
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
 SOURCES = ("tree", "stock")
 
 
-def replaced_files(root: Path = REPO_ROOT) -> list[Path]:
-    """The files under `root/vllm`, relative to `root`."""
+def tree_files(root: Path = REPO_ROOT) -> list[Path]:
+    """The Python files under `root/vllm`, relative to `root`."""
     return sorted(
         path.relative_to(root)
         for path in (root / "vllm").rglob("*.py")
@@ -36,12 +45,19 @@ def replaced_files(root: Path = REPO_ROOT) -> list[Path]:
     )
 
 
+def replaced_files() -> list[Path]:
+    """The tree's files that replace upstream's, as pyproject.toml declares."""
+    return sorted(map(Path, build_backend().load_pins().replaces))
+
+
+def added_files() -> list[Path]:
+    """The tree's files that upstream lacks, as pyproject.toml declares."""
+    return sorted(map(Path, build_backend().load_pins().adds))
+
+
 def _module_name(relative: Path) -> str:
-    if relative.name == "__init__.py":
-        raise NotImplementedError(
-            f"{relative}: replacing a package __init__ is not supported"
-        )
-    return ".".join(relative.with_suffix("").parts)
+    parts = relative.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def build_backend() -> ModuleType:
@@ -87,17 +103,6 @@ def stock_root() -> Path:
     return build_backend().extract_base_files(replaced_files())
 
 
-class _OverlayFinder(importlib.abc.MetaPathFinder):
-    def __init__(self, modules: dict[str, Path]):
-        self.modules = modules
-
-    def find_spec(self, fullname, path, target=None):
-        location = self.modules.get(fullname)
-        if location is None:
-            return None
-        return importlib.util.spec_from_file_location(fullname, location)
-
-
 def install(source: str | None = None) -> dict[str, Path]:
     """Route imports of the replaced modules to `source` ("tree" or "stock").
 
@@ -107,14 +112,21 @@ def install(source: str | None = None) -> dict[str, Path]:
     source = source or os.environ.get(SOURCE_ENV, "tree")
     if source not in SOURCES:
         raise ValueError(f"{SOURCE_ENV}={source!r}: expected one of {SOURCES}")
-    root = REPO_ROOT if source == "tree" else stock_root()
-    modules = {_module_name(rel): root / rel for rel in replaced_files()}
-    stale = sorted(name for name in modules if name in sys.modules)
+    files = tree_files()
+    stale = sorted(_module_name(r) for r in files if _module_name(r) in sys.modules)
     if stale:
         raise RuntimeError(
             f"{stale} were imported before the test overlay was installed; "
             "they would be the installed copies, not this tree's files"
         )
-    sys.meta_path.insert(0, _OverlayFinder(modules))
+    if source == "tree":
+        root, hidden = REPO_ROOT, []
+    else:
+        root, files = stock_root(), replaced_files()
+        hidden = [_module_name(rel) for rel in added_files()]
+    modules = {_module_name(rel): root / rel for rel in files}
+    overlay_finder.install(
+        root, hidden=hidden, why_hidden="added by this patch; stock vLLM lacks it"
+    )
     os.environ[SOURCE_ENV] = source
     return modules

@@ -11,16 +11,25 @@ same spirit as vLLM's own ``VLLM_USE_PRECOMPILED`` builds. A build:
    ``VLLM_PRECOMPILED_WHEEL_LOCATION`` (a local path or a URL), and checks it
    against the sha256 pinned in ``pyproject.toml``;
 2. checks that every file under ``vllm/`` is declared in ``pyproject.toml``
-   and still fits upstream (``tools/overlay_patch.py``), then unpacks the
-   wheel with ``python -m wheel unpack``;
+   and still fits upstream (``tools/overlay_patch.py``), reading only the
+   wheel's file list and the replaced originals;
 3. copies every file under ``vllm/`` over the file of the same name, or
    beside them for the files declared as added;
-4. repacks it with ``python -m wheel pack --local-version <label>`` and
-   restores the base file name's tags with ``python -m wheel tags``.
+4. writes the version and the base file name's tags into the members that
+   change and packs the result once, as ``<version>+<local-label>``
+   (tools/overlay_repack.py).
 
-The verified base wheel is cached, so a rebuild does not download it again.
+The verified base wheel is cached, so a rebuild does not download it again,
+and so is the built wheel, so reinstalling an unchanged tree does not repack.
+``build_editable`` (tools/overlay_repack.py, tools/overlay_finder.py) and
+``build_sdist`` (tools/overlay_sdist.py) are the other PEP 517 hooks. Every
+stage is logged with its duration on stderr (``pip install -v`` shows it).
+
+This module must import on Python 3.10 too (no tomllib), so that a Python
+outside the supported range gets a message instead of a traceback.
 """
 
+import contextlib
 import hashlib
 import os
 import re
@@ -28,14 +37,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
+import time
 import zipfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, TypeVar
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11: check_python() says so
+    tomllib = None  # type: ignore[assignment]
 from urllib.parse import unquote, urlsplit
 
+from packaging.specifiers import SpecifierSet
 from packaging.tags import Tag, sys_tags
 from packaging.utils import (
     InvalidWheelFilename,
@@ -50,23 +65,24 @@ CONFIG_TABLE = "vllm-overlay"
 DIST_NAME = "vllm"
 LOCATION_ENV = "VLLM_PRECOMPILED_WHEEL_LOCATION"
 CACHE_SUBDIR = "precompiled-wheels"
-MIN_WHEEL = "wheel>=0.48.0"
+# The backend's own modules (shipped in the sdist, hashed into the cache key).
+BACKEND_MODULE_GLOBS = ("precompiled_overlay.py", "overlay_*.py")
 SKIPPED_DIRS = frozenset({"__pycache__"})
 SKIPPED_SUFFIXES = (".pyc",)
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 _NETWORK_TROUBLE = re.compile(r"connect|retrying|could not fetch|ssl|proxy", re.I)
 # Reprs in pip's retry warnings that push the actual cause off the line.
 _PIP_NOISE = re.compile(r"\(Retry\([^)]*\)\) |<[^<>]* object at 0x[0-9a-f]+>: ")
+# What pip's debug log says about a URL it could not read: the real cause.
+_PIP_CAUSE = re.compile(r"(Could not fetch URL .*|Retrying .*|.*\bSSLError\b.*)")
+_PIP_PROGRESS = re.compile(r"^Progress (\d+) of (\d+)$")
+_REQUIRES_PYTHON_RE = re.compile(r'^requires-python\s*=\s*"([^"]*)"', re.M)
 
 T = TypeVar("T")
 
 
 class OverlayError(Exception):
     """A build problem the user can fix; the message says how."""
-
-
-class UnsupportedOperation(Exception):
-    """PEP 517's way for a backend to decline an optional kind of build."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,39 @@ def _check_pins(pins: Pins, source: Path) -> None:
             )
 
 
+def supported_python(pyproject: Path = PYPROJECT) -> str:
+    """The Python range the pinned base wheel supports (its Requires-Python).
+
+    Read without tomllib where it is missing: this is what tells a user of an
+    older Python that it is too old.
+    """
+    text = pyproject.read_text(encoding="utf-8")
+    if tomllib is not None:
+        table = tomllib.loads(text).get("tool", {}).get(CONFIG_TABLE, {})
+        return str(table.get("requires-python", ""))
+    found = _REQUIRES_PYTHON_RE.search(text)
+    return found.group(1) if found else ""
+
+
+def check_python(
+    spec: str | None = None, version: tuple[int, ...] | None = None
+) -> None:
+    """Stop before any download when this Python cannot run the base wheel."""
+    spec = supported_python() if spec is None else spec
+    found = ".".join(map(str, (version or sys.version_info)[:3]))
+    if not spec:
+        return
+    if tomllib is not None and found in SpecifierSet(spec, prereleases=True):
+        return
+    raise OverlayError(
+        f"this vLLM build needs Python {spec} (the pinned base wheel's "
+        f"range; requires-python in [tool.{CONFIG_TABLE}] of "
+        f"pyproject.toml), but this is Python {found} ({sys.executable}).\n"
+        "Fix: run pip with a Python in that range, e.g. python3.12 -m pip "
+        "install ."
+    )
+
+
 def _wheel_name_version(filename: str) -> tuple[str, Version] | None:
     """Name and version from a wheel file name, or None if it is not one."""
     try:
@@ -168,11 +217,14 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def verify_base_wheel(path: Path, pins: Pins, fix: str | None = None) -> None:
+def verify_base_wheel(
+    path: Path, pins: Pins, fix: str | None = None, shown: str | None = None
+) -> None:
     """Refuse any base wheel that is not byte-for-byte the pinned release.
 
     ``fix`` replaces the default advice when deleting ``path`` is not the
-    right remedy (e.g. for a download that never reached the cache).
+    right remedy (e.g. for a download that never reached the cache);
+    ``shown`` names the file in the message when ``path`` is a temporary one.
     """
     name = path.name
     found = _wheel_name_version(name)
@@ -182,18 +234,19 @@ def verify_base_wheel(path: Path, pins: Pins, fix: str | None = None) -> None:
     ):
         what = f"{found[0]} {found[1]}" if found else "not a wheel file name"
         raise OverlayError(
-            f"base wheel {path} is {what}, but this overlay is pinned to "
+            f"base wheel {shown or path} is {what}, but this overlay is pinned to "
             f"{pins.requirement}.\n"
             f"Fix: point {LOCATION_ENV} at one of: {pins.pinned_files()}"
         )
     expected = pins.sha256.get(name)
     if expected is None:
         raise OverlayError(
-            f"no sha256 is pinned for {name} (from {path}).\n"
+            f"no sha256 is pinned for {name} (from {shown or path}).\n"
             f"Fix: point {LOCATION_ENV} at one of: {pins.pinned_files()} "
             f"(or pin this file in [tool.{CONFIG_TABLE}.sha256] in pyproject.toml)"
         )
-    actual = sha256_of(path)
+    with stage(f"checked the sha256 of {name}"):
+        actual = sha256_of(path)
     if actual != expected:
         advice = fix or (
             f"delete {path} and build again, or point {LOCATION_ENV} at an "
@@ -201,9 +254,10 @@ def verify_base_wheel(path: Path, pins: Pins, fix: str | None = None) -> None:
         )
         raise OverlayError(
             f"base wheel {name} does not match its pin.\n"
-            f"  file:     {path}\n"
+            f"  file:     {shown or path}\n"
             f"  sha256:   {actual}\n"
-            f"  expected: {expected}\n"
+            f"  expected: {expected} (pyproject.toml, "
+            f'[tool.{CONFIG_TABLE}.sha256] "{name}")\n'
             f"Fix: {advice}"
         )
 
@@ -242,25 +296,80 @@ def _is_url(location: str) -> bool:
 
 
 def _take_cached(path: Path, pins: Pins) -> bool:
-    """Use a verified cached wheel; drop a corrupt one so it is fetched again."""
+    """Use a verified cached wheel; drop a corrupt one so it is fetched again.
+
+    A cached file that is an intact wheel yet misses its pin is kept: the
+    likelier culprit is the pin (it only got into the cache by matching one),
+    and deleting it would cost a download that fails the same way.
+    """
     if not path.is_file():
         return False
-    try:
-        verify_base_wheel(path, pins)
-    except OverlayError:
-        print(
-            f"precompiled_overlay: cached base wheel {path} is corrupt "
-            "(sha256 mismatch); removing it and fetching it again",
-            file=sys.stderr,
+    with stage(f"checked the sha256 of {path.name}"):
+        actual = sha256_of(path)
+    expected = pins.sha256[path.name]
+    if actual == expected:
+        log(f"using cached base wheel {path}")
+        return True
+    if _is_intact_zip(path):
+        raise OverlayError(
+            f"the cached base wheel {path.name} does not match its pin in "
+            f"pyproject.toml, but it is an intact wheel (every member passes "
+            f"its CRC check), so it was kept.\n"
+            f"  file:     {path}\n"
+            f"  sha256:   {actual}\n"
+            f"  expected: {expected} "
+            f'([tool.{CONFIG_TABLE}.sha256] "{path.name}" in {PYPROJECT})\n'
+            "Fix: if the pin was changed by mistake, restore it; if the file "
+            f"is not the release you want, delete {path} and build again"
         )
-        path.unlink(missing_ok=True)
-        return False
-    print(f"precompiled_overlay: using cached base wheel {path}", file=sys.stderr)
-    return True
+    log(
+        f"cached base wheel {path} is corrupt (sha256 mismatch); removing it "
+        "and fetching it again"
+    )
+    path.unlink(missing_ok=True)
+    return False
+
+
+def _is_intact_zip(path: Path) -> bool:
+    """Tell a damaged file from a different but well-formed one."""
+    with stage(f"checked every member of {path.name}"):
+        try:
+            with zipfile.ZipFile(path) as zf:
+                return zf.testzip() is None
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+            return False
+        except Exception:  # zlib.error and friends from a damaged stream
+            return False
 
 
 def _pip_download(target: str, dest: Path, pins: Pins, wanted: str) -> Path:
-    """Fetch one wheel through the user's pip, so its settings all apply."""
+    """Fetch one wheel through the user's pip, so its settings all apply.
+
+    pip's console output is streamed (with download progress) while its
+    debug log is kept, because only the log says why an index URL failed.
+    """
+    log(f"fetching {target} with pip")
+    with stage(f"downloaded {target}"):
+        code, console, debug = _run_pip_download(target, dest, "raw")
+        if code == 2 and "invalid choice: 'raw'" in console:  # pip < 24.1
+            code, console, debug = _run_pip_download(target, dest, "off")
+    files = sorted(dest.glob("*.whl"))
+    if code != 0 or len(files) != 1:
+        said = _pip_gist(console, debug)
+        choices = wanted if wanted in pins.sha256 else pins.pinned_files()
+        raise OverlayError(
+            f"could not fetch the base wheel {pins.requirement} "
+            f"(pip download {target}):\n"
+            + "".join(f"  {line}\n" for line in said)
+            + "Fix: configure pip's index/proxy (pip.conf, PIP_INDEX_URL, "
+            f"HTTPS_PROXY), or set {LOCATION_ENV} to a local copy of {choices}"
+        )
+    return files[0]
+
+
+def _run_pip_download(target: str, dest: Path, progress: str) -> tuple:
+    """Run ``pip download``; return its status, console output and debug log."""
+    log_file = dest / ".pip-debug.log"
     cmd = [
         sys.executable,
         "-m",
@@ -268,60 +377,124 @@ def _pip_download(target: str, dest: Path, pins: Pins, wanted: str) -> Path:
         "download",
         "--no-deps",
         "--only-binary=:all:",
-        "--progress-bar=off",
+        f"--progress-bar={progress}",
+        "--log",
+        str(log_file),
         "--dest",
         str(dest),
         target,
     ]
-    print(f"precompiled_overlay: fetching {target} with pip", file=sys.stderr)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    files = sorted(dest.glob("*.whl"))
-    if proc.returncode != 0 or len(files) != 1:
-        said = _pip_gist(proc.stderr + proc.stdout)
-        raise OverlayError(
-            f"could not fetch the base wheel {pins.requirement} "
-            f"(pip download {target}):\n"
-            + "".join(f"  {line}\n" for line in said)
-            + "Fix: configure pip's index/proxy (pip.conf, PIP_INDEX_URL, "
-            f"HTTPS_PROXY), or set {LOCATION_ENV} to a local copy of {wanted}"
-        )
-    return files[0]
+    env = {**os.environ, "COLUMNS": "1000"}  # keep pip's lines unwrapped
+    console: list[str] = []
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=env,
+    ) as proc:
+        assert proc.stdout is not None
+        shown = -1
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            match = _PIP_PROGRESS.match(line)
+            if match is None:
+                console.append(line)
+                log(f"pip: {line}")
+                continue
+            done, total = int(match.group(1)), int(match.group(2)) or 1
+            tenth = done * 10 // total
+            if tenth > shown:
+                shown = tenth
+                log(f"downloaded {done / 1e6:.0f} of {total / 1e6:.0f} MB")
+    try:
+        debug = log_file.read_text(errors="replace")
+        log_file.unlink()
+    except OSError:
+        debug = ""
+    return proc.returncode, "\n".join(console), debug
 
 
-def _pip_gist(output: str, width: int = 200) -> list[str]:
-    """pip's ERROR lines plus its last warning about the network, if any.
+def _pip_gist(output: str, debug: str = "", width: int = 400) -> list[str]:
+    """pip's error lines plus the network cause that its console leaves out.
 
-    pip's own errors for a dead network only say "No matching distribution";
-    the last retry warning is what tells the user it was the network.
+    pip's errors for a dead network only say "No matching distribution"
+    (with ``PIP_RETRIES=0``, nothing else at all); the cause is in its retry
+    warnings, or only in its debug log ("Could not fetch URL ...").
     """
     lines = output.splitlines()
-    errors = [line for line in lines if line.startswith("ERROR:")]
+    errors = _error_lines(lines)
     network = [
-        line
+        line.strip()
         for line in lines
-        if line.startswith("WARNING:") and _NETWORK_TROUBLE.search(line)
+        if line.lstrip().startswith("WARNING:") and _NETWORK_TROUBLE.search(line)
     ]
-    gist = [_PIP_NOISE.sub("", line) for line in network[-1:]] + errors
+    causes = [
+        m.group(1)
+        for line in debug.splitlines()
+        if (m := _PIP_CAUSE.search(line)) and _NETWORK_TROUBLE.search(line)
+    ]
+    said = "\n".join(lines)
+    cause = [c for c in causes[-1:] if c not in said and not network]
+    gist = [_PIP_NOISE.sub("", line) for line in network[-1:] + cause] + errors
     gist = gist if errors else lines[-5:]
     return [line if len(line) <= width else line[: width - 3] + "..." for line in gist]
 
 
+def _error_lines(lines: list[str]) -> list[str]:
+    """``ERROR:`` lines, and pip's newer ``error:`` blocks (× / ╰─> / hint)."""
+    found = []
+    in_block = False
+    for line in lines:
+        if line.startswith(("ERROR:", "error:")):
+            found.append(line)
+            in_block = line.startswith("error:")
+        elif in_block and line.strip():
+            found.append(line.strip())
+        elif in_block and found and found[-1].startswith("hint:"):
+            in_block = False
+    return found
+
+
 def _download_into_cache(target: str, cache_dir: Path, pins: Pins, wanted: str) -> Path:
     """Download, verify, then rename into the cache: never a half file there."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    ensure_folder(cache_dir, "base wheel cache")
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
         fetched = _pip_download(target, Path(tmp), pins, wanted)
         verify_base_wheel(
             fetched,
             pins,
-            fix=f"the file fetched from {target} is not the pinned upstream "
-            f"release (nothing was cached); check pip's index, or set "
-            f"{LOCATION_ENV} to an intact copy of {fetched.name}",
+            fix="nothing was cached. Either the index served another file "
+            "than the pinned upstream release (check pip's index settings), "
+            f"or the pin in pyproject.toml is wrong; or set {LOCATION_ENV} to "
+            f"an intact copy of {fetched.name}",
+            shown=f"{fetched.name}, as downloaded from {target}",
         )
         final = cache_dir / fetched.name
         os.replace(fetched, final)
-    print(f"precompiled_overlay: cached verified base wheel {final}", file=sys.stderr)
+    log(f"cached verified base wheel {final}")
     return final
+
+
+def ensure_folder(path: Path, what: str) -> None:
+    """Create a cache folder, or say which path is in the way (no traceback)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next((p for p in (path, *path.parents) if p.is_file()), path)
+        raise OverlayError(
+            f"cannot use {path} as the {what}: {blocker} is a file, not a "
+            "folder.\n"
+            "Fix: set VLLM_CACHE_ROOT to a folder (now: "
+            f"{os.environ.get('VLLM_CACHE_ROOT') or 'unset'}), or move "
+            f"{blocker} away"
+        ) from None
+    except PermissionError as err:
+        raise OverlayError(
+            f"cannot create the {what} {path}: {err.strerror}.\n"
+            "Fix: set VLLM_CACHE_ROOT to a folder you can write to"
+        ) from None
 
 
 def fetch_base_wheel(
@@ -354,17 +527,29 @@ def fetch_base_wheel(
             fix=f"replace it with an intact copy of {path.name}, or unset "
             f"{LOCATION_ENV} to let pip download the pinned release",
         )
-        print(f"precompiled_overlay: using base wheel {path}", file=sys.stderr)
+        log(f"using base wheel {path}")
         return path
 
     cache_dir = cache_dir or default_cache_dir()
     if location:
         target = location
         wanted = unquote(urlsplit(location).path).rsplit("/", 1)[-1]
+        if wanted not in pins.sha256:  # checked before any download
+            raise OverlayError(
+                f"{LOCATION_ENV}={location} does not name a pinned wheel file "
+                f"(its last path part is {wanted!r}).\n"
+                f"Fix: point it at the URL of one of: {pins.pinned_files()}"
+            )
     else:
         target = pins.requirement
         wanted = select_wheel_for_platform(pins, supported_tags)
-    if wanted in pins.sha256 and _take_cached(cache_dir / wanted, pins):
+    ensure_folder(cache_dir, "base wheel cache")
+    if _take_cached(cache_dir / wanted, pins):
+        if location:
+            log(
+                f"{LOCATION_ENV}={location} was not fetched: the cache "
+                f"already holds the verified {wanted}"
+            )
         return cache_dir / wanted
     return _download_into_cache(target, cache_dir, pins, wanted)
 
@@ -463,67 +648,35 @@ def apply_overlay(
     )
 
 
-def _wheel_cli(*args: str) -> str:
-    """Run ``python -m wheel``; the wheel project owns zip and RECORD details."""
-    cmd = [sys.executable, "-m", "wheel", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        hint = f" (this backend needs {MIN_WHEEL})" if "usage:" in proc.stderr else ""
-        raise OverlayError(
-            f"python -m wheel {args[0]} failed{hint}:\n{proc.stderr}{proc.stdout}"
-        )
-    return proc.stdout
-
-
-def _only_child(folder: Path, pattern: str) -> Path:
-    """The single entry a wheel CLI step left, found without parsing its output."""
-    found = sorted(folder.glob(pattern))
-    if len(found) != 1:
-        raise OverlayError(f"expected one {pattern} in {folder}, found {found}")
-    return found[0]
-
-
 def build_overlay_wheel(
     base_wheel: Path,
     wheel_directory: Path,
     pins: Pins,
     overlay_root: Path,
     files: list[Path] | None = None,
+    *,
+    editable: bool = False,
+    cache_root: Path | None = None,
 ) -> str:
-    """Unpack, overlay, repack; return the new wheel's file name.
+    """Unpack, overlay, repack (or reuse a cached build); return the file name.
 
     The result only appears in ``wheel_directory`` by an atomic rename once
     it is complete, so a failed build leaves nothing there.
     """
+    import overlay_repack  # a sibling in backend-path; imports this module
+
     files = collect_overlay(overlay_root) if files is None else files
-    python_tag, abi_tag, platform_tag = base_wheel.name[: -len(".whl")].split("-")[-3:]
-    expected = f"{pins.name}-{pins.version}-{python_tag}-{abi_tag}-{platform_tag}.whl"
-    with tempfile.TemporaryDirectory(prefix="vllm-overlay-") as work:
-        _wheel_cli("unpack", "--dest", work, str(base_wheel))
-        tree = _only_child(Path(work), "*")
-        apply_overlay(tree, overlay_root.parent, files, pins.adds)
-        with tempfile.TemporaryDirectory(dir=wheel_directory, prefix=".overlay-") as s:
-            stage = Path(s)
-            pack_args = ["--dest-dir", s, "--local-version", pins.local_label]
-            _wheel_cli("pack", *pack_args, str(tree))
-            shutil.rmtree(tree)  # free the unpacked copy before retagging
-            # wheel pack names the file after the WHEEL file's tags, which may
-            # be less specific (linux_x86_64) than the base file name's
-            # (manylinux_2_28_x86_64); restore the latter.
-            _wheel_cli(
-                "tags",
-                f"--python-tag={python_tag}",
-                f"--abi-tag={abi_tag}",
-                f"--platform-tag={platform_tag}",
-                "--remove",
-                str(_only_child(stage, "*.whl")),
-            )
-            built = _only_child(stage, "*.whl")
-            if built.name != expected:
-                raise OverlayError(f"built {built.name}, expected {expected}")
-            os.replace(built, wheel_directory / built.name)
-    print(f"precompiled_overlay: built {expected}", file=sys.stderr)
-    return expected
+    name = overlay_repack.build_cached(
+        base_wheel,
+        wheel_directory,
+        pins,
+        overlay_root,
+        files,
+        editable=editable,
+        cache_root=cache_root,
+    )
+    log(f"built {name}")
+    return name
 
 
 def build(
@@ -533,8 +686,10 @@ def build(
     overlay_root: Path | None = None,
     location: str | None = None,
     cache_dir: Path | None = None,
+    editable: bool = False,
 ) -> str:
-    """The whole build with injectable inputs; the PEP 517 hook calls this."""
+    """The whole build with injectable inputs; the PEP 517 hooks call this."""
+    started = time.monotonic()
     pins = pins or load_pins()
     overlay_root = overlay_root or REPO_ROOT / pins.name
     files = collect_overlay(overlay_root)  # fail fast, before a download
@@ -542,16 +697,49 @@ def build(
     import overlay_patch  # before unpacking: the replaced files still fit
 
     overlay_patch.check_base_wheel(pins, overlay_root, files, base, cache_dir)
-    return build_overlay_wheel(base, wheel_directory, pins, overlay_root, files)
+    name = build_overlay_wheel(
+        base,
+        wheel_directory,
+        pins,
+        overlay_root,
+        files,
+        editable=editable,
+        cache_root=cache_dir.parent if cache_dir else None,
+    )
+    log(f"done in {time.monotonic() - started:.1f} s")
+    return name
 
 
-def run_hook(hook: Callable[[], T]) -> T:
+def backend_modules() -> list[Path]:
+    """This backend's own files in tools/ (not the repo's other tools)."""
+    here = Path(__file__).resolve().parent
+    found = {p for pattern in BACKEND_MODULE_GLOBS for p in here.glob(pattern)}
+    return sorted(found)
+
+
+def log(message: str) -> None:
+    """One progress line on stderr; pip shows these with ``-v``."""
+    print(f"precompiled_overlay: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def stage(what: str) -> Iterator[None]:
+    """Log a finished stage with its duration, so slow steps are visible."""
+    started = time.monotonic()
+    yield
+    log(f"{what} ({time.monotonic() - started:.1f} s)")
+
+
+def run_hook(hook: Callable[[], T], python: bool = True) -> T:
     """Turn an OverlayError into a short message and exit status 1.
 
     pip shows the backend's output when a build fails; a bare message reads
-    better there than a traceback through this module.
+    better there than a traceback through this module. Hooks that need the
+    base wheel check the Python version first, before any download.
     """
     try:
+        if python:
+            check_python()
         return hook()
     except OverlayError as err:
         fail(err)
@@ -563,14 +751,15 @@ def fail(err: OverlayError) -> NoReturn:
     raise SystemExit(1)
 
 
-# PEP 517 hooks. ``config_settings`` is accepted and ignored: every input
-# comes from pyproject.toml and the environment, like vLLM's own setup.py.
+# PEP 517 and PEP 660 hooks. ``config_settings`` is accepted and ignored:
+# every input comes from pyproject.toml and the environment, like vLLM's own
+# setup.py.
 ConfigSettings = Mapping[str, str | list[str]] | None
 
 
 def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
     """Everything needed is already in ``build-system.requires``."""
-    return []
+    return run_hook(list)
 
 
 def build_wheel(
@@ -582,11 +771,35 @@ def build_wheel(
     return run_hook(lambda: build(Path(wheel_directory)))
 
 
+def get_requires_for_build_editable(
+    config_settings: ConfigSettings = None,
+) -> list[str]:
+    """Same as for a wheel: the editable wheel is built the same way."""
+    return run_hook(list)
+
+
+def build_editable(
+    wheel_directory: str,
+    config_settings: ConfigSettings = None,
+    metadata_directory: str | None = None,
+) -> str:
+    """PEP 660: the base wheel without the tree's Python files, plus a hook
+    that imports them from this working tree (tools/overlay_finder.py)."""
+    return run_hook(lambda: build(Path(wheel_directory), editable=True))
+
+
+def get_requires_for_build_sdist(config_settings: ConfigSettings = None) -> list[str]:
+    """The sdist is assembled from the tree alone."""
+    return []
+
+
 def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
-    """An sdist would still need the binary base wheel, so none is offered."""
-    raise UnsupportedOperation(
-        "this overlay is built only as a wheel (it repacks the precompiled "
-        "upstream wheel); use `pip wheel .` or `python -m build --wheel`"
+    """The tree's files and this backend; a wheel build from it fetches the
+    base wheel as a build from the repository does (tools/overlay_sdist.py)."""
+    import overlay_sdist  # a sibling in backend-path; imports this module
+
+    return run_hook(
+        lambda: overlay_sdist.build_sdist(Path(sdist_directory)), python=False
     )
 
 

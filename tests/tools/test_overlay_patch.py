@@ -18,13 +18,7 @@ from pathlib import Path
 
 import overlay
 import pytest
-from test_precompiled_overlay import (  # noqa: F401  (fixtures used by name)
-    PATCHED,
-    closed_port,
-    make_wheel,
-    offline_pip,
-    read_member,
-)
+from test_precompiled_overlay import PATCHED, make_wheel, read_member
 
 ovl = overlay.build_backend()
 patch = importlib.import_module("overlay_patch")
@@ -158,10 +152,10 @@ def bump_pins_by_hand(project: Path, wheels: list[Path]) -> None:
 def no_unpacking(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if the build gets as far as unpacking the base wheel."""
 
-    def unpack(*args: str) -> str:
-        raise AssertionError(f"the base wheel was unpacked: wheel {args}")
+    def unpack(base_wheel: Path, *args: object) -> Path:
+        raise AssertionError(f"the base wheel {base_wheel} was unpacked")
 
-    monkeypatch.setattr(ovl, "_wheel_cli", unpack)
+    monkeypatch.setattr(importlib.import_module("overlay_repack"), "repack", unpack)
 
 
 # --- declarations -------------------------------------------------------------

@@ -11,11 +11,10 @@ import email.parser
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import overlay
@@ -30,6 +29,12 @@ REQUIRES_DIST = [
     'torch==2.13.0; platform_machine == "x86_64"',
 ]
 ENTRY_POINTS = "[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n"
+# The shape of the vcs-versioning file in upstream's wheel.
+VERSION_SOURCE = (
+    "__version__ = version = '{0}'\n"
+    "__version_tuple__ = version_tuple = (0, 33, 0)\n"
+    "__commit_id__ = commit_id = 'g4ba787ec9'\n"
+)
 
 
 ovl = overlay.build_backend()
@@ -55,7 +60,10 @@ def make_wheel(
     dist_info = tree / f"vllm-{version}.dist-info"
     (tree / PATCHED).parent.mkdir(parents=True)
     (tree / "vllm" / "__init__.py").write_text(init_source)
+    (tree / "vllm" / "_version.py").write_text(VERSION_SOURCE.format(version))
     (tree / PATCHED).write_text(STOCK_SOURCE)
+    for package in PATCHED.parents[:-2]:  # regular packages, as upstream's
+        (tree / package / "__init__.py").write_text("")
     for rel, text in (files or {}).items():
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_text(text)
@@ -125,41 +133,6 @@ def read_member(wheel: Path, member: str) -> str:
     """Text of one file inside a built wheel."""
     with zipfile.ZipFile(wheel) as zf:
         return zf.read(member).decode()
-
-
-@pytest.fixture
-def closed_port() -> int:
-    """A loopback port nothing listens on: the fastest 'no network' there is."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture(autouse=True)
-def offline_pip(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, closed_port: int
-) -> Iterator[None]:
-    """Cut pip off from real indexes, configs and caches for every test."""
-    for key in list(os.environ):
-        if key.startswith("PIP_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{closed_port}/simple")
-    monkeypatch.setenv("PIP_RETRIES", "0")
-    monkeypatch.setenv("PIP_TIMEOUT", "5")
-    monkeypatch.setenv("PIP_DISABLE_PIP_VERSION_CHECK", "1")
-    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
-    monkeypatch.delenv(ovl.LOCATION_ENV, raising=False)
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
-    yield
-
-
-@pytest.fixture
-def out_dir(tmp_path: Path) -> Path:
-    """The wheel_directory a frontend would pass to build_wheel."""
-    path = tmp_path / "out"
-    path.mkdir()
-    return path
 
 
 def test_repo_pins_are_the_upstream_release() -> None:
@@ -461,8 +434,8 @@ def _scratch_project(tmp_path: Path, base: Path) -> Path:
     """A repo copy whose pins trust ``base``, to drive the backend through pip."""
     project = tmp_path / "project"
     (project / "tools").mkdir(parents=True)
-    for tool in ("precompiled_overlay.py", "overlay_patch.py"):
-        shutil.copy(overlay.BACKEND_PATH.parent / tool, project / "tools")
+    for module in ovl.backend_modules():
+        shutil.copy(module, project / "tools")
     shutil.copytree(make_overlay(tmp_path), project / "vllm")
     (project / "pyproject.toml").write_text(
         "[build-system]\n"

@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Time `pip install .`'s build step: the old pipeline against today's.
+
+Both run in the same process on the real cached base wheel (a cold cache,
+i.e. the download, is excluded), so the ratios hold on any machine:
+
+- old: verify, ``wheel unpack``, copy the tree's files, ``wheel pack
+  --local-version`` and a second full compression by ``wheel tags`` to
+  restore the base file name's tags (the backend before issue 9, redone here);
+- first build: tools/precompiled_overlay.build() with an empty build cache;
+- unchanged rebuild: the same build again, which reuses the cached wheel.
+
+Targets: first build <= 0.6x old, unchanged rebuild <= 0.1x old.
+
+    python benchmarks/benchmark_overlay_build.py [--base PATH]
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import overlay  # noqa: E402
+
+FIRST_TARGET = 0.6
+REBUILD_TARGET = 0.1
+
+
+def old_pipeline(base: Path, out: Path) -> None:
+    """The backend's build before issue 9: two full compressions."""
+    ovl = overlay.build_backend()
+    pins = ovl.load_pins()
+    ovl.verify_base_wheel(base, pins)
+    python_tag, abi_tag, platform_tag = base.name[: -len(".whl")].split("-")[-3:]
+    with tempfile.TemporaryDirectory(prefix="bench-old-") as work:
+        _wheel("unpack", "--dest", work, str(base))
+        tree = next(Path(work).iterdir())
+        for rel in ovl.collect_overlay(overlay.REPO_ROOT / "vllm"):
+            shutil.copyfile(overlay.REPO_ROOT / rel, tree / rel)
+        _wheel(
+            "pack",
+            "--dest-dir",
+            str(out),
+            "--local-version",
+            pins.local_label,
+            str(tree),
+        )
+        shutil.rmtree(tree)
+        built = next(out.glob("*.whl"))
+        _wheel(
+            "tags",
+            f"--python-tag={python_tag}",
+            f"--abi-tag={abi_tag}",
+            f"--platform-tag={platform_tag}",
+            "--remove",
+            str(built),
+        )
+
+
+def _wheel(*args: str) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "wheel", *args],
+        check=True,
+        capture_output=True,
+        timeout=1800,
+    )
+
+
+def timed(what: str, run: Callable[[], object]) -> float:
+    started = time.monotonic()
+    run()
+    seconds = time.monotonic() - started
+    print(f"{what:<22} {seconds:7.1f} s", flush=True)
+    return seconds
+
+
+def main() -> int:
+    ovl = overlay.build_backend()
+    pins = ovl.load_pins()
+    default = ovl.default_cache_dir() / ovl.select_wheel_for_platform(pins)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", type=Path, default=default, help="base wheel")
+    args = parser.parse_args()
+    if not args.base.is_file():
+        print(f"no base wheel at {args.base}; run `pip wheel .` once first")
+        return 2
+    os.environ.pop("SOURCE_DATE_EPOCH", None)
+    with tempfile.TemporaryDirectory(prefix="bench-overlay-") as tmp:
+        work = Path(tmp)
+        dirs = {name: work / name for name in ("old", "first", "again", "cache")}
+        for folder in dirs.values():
+            folder.mkdir()
+        cache = dirs["cache"] / "precompiled-wheels"
+
+        def new_build(out: Path) -> Callable[[], object]:
+            return lambda: ovl.build(out, location=str(args.base), cache_dir=cache)
+
+        old = timed("old pipeline", lambda: old_pipeline(args.base, dirs["old"]))
+        first = timed("first build", new_build(dirs["first"]))
+        again = timed("unchanged rebuild", new_build(dirs["again"]))
+        same = [
+            p.read_bytes() for p in (dirs["first"], dirs["again"]) for p in p.iterdir()
+        ]
+    print(f"first build / old:       {first / old:.2f} (target <= {FIRST_TARGET})")
+    print(f"unchanged rebuild / old: {again / old:.2f} (target <= {REBUILD_TARGET})")
+    met = first / old <= FIRST_TARGET and again / old <= REBUILD_TARGET
+    print("identical wheels:", same[0] == same[1])
+    print("targets met" if met and same[0] == same[1] else "TARGETS MISSED")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fixtures for the build backend's tests: pip offline, fresh caches."""
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import overlay
+import pytest
+
+ovl = overlay.build_backend()
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port nothing listens on: the fastest 'no network' there is."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def offline_pip(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, closed_port: int
+) -> Iterator[None]:
+    """Cut pip off from real indexes, configs and caches for every test."""
+    for key in list(os.environ):
+        if key.startswith("PIP_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{closed_port}/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "5")
+    monkeypatch.setenv("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.delenv(ovl.LOCATION_ENV, raising=False)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
+    yield
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    """The wheel_directory a frontend would pass to build_wheel."""
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
