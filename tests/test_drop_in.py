@@ -8,7 +8,9 @@ take the same parameters.
 """
 
 import ast
+import difflib
 import importlib
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -82,10 +84,29 @@ def test_replaced_file_opens_with_a_dep3_header():
     fields = ("Description:", "Bug:", "Origin:", "Forwarded:", "Base: vllm==")
     fields += ("Last-Update:", "Applied-Upstream:", "Drop-When:")
     for relative in overlay.replaced_files():
-        text = (overlay.REPO_ROOT / relative).read_text()
-        header = text.split('"""', 1)[0]
+        lines = (overlay.REPO_ROOT / relative).read_text().splitlines()
+        header = "\n".join(itertools.takewhile(lambda x: x.startswith("#"), lines))
         for field in fields:
             assert f"# {field}" in header, f"{relative}: no {field} line"
+
+
+# A replaced file carries only the change; new logic goes in added modules.
+MAX_CHANGED_LINES = 150
+
+
+@pytest.mark.parametrize("relative", overlay.replaced_files(), ids=str)
+def test_replaced_file_carries_only_the_change(stock, relative):
+    ours = (overlay.REPO_ROOT / relative).read_text().splitlines()
+    upstream = (stock / relative).read_text().splitlines()
+    changed = [
+        line
+        for line in difflib.unified_diff(upstream, ours, lineterm="")
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
+    assert len(changed) <= MAX_CHANGED_LINES, (
+        f"{relative} differs from upstream by {len(changed)} lines added plus "
+        f"removed; move new logic into an added module beside it"
+    )
 
 
 def test_every_file_is_declared_and_fits_the_base_wheel():
