@@ -46,3 +46,13 @@ def out_dir(tmp_path: Path) -> Path:
     path = tmp_path / "out"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def no_download(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if the backend tries to download anything."""
+
+    def download(*args: object) -> Path:
+        raise AssertionError("the base wheel must not be downloaded here")
+
+    monkeypatch.setattr(ovl, "_pip_download", download)

@@ -15,33 +15,22 @@ from pathlib import Path
 
 import overlay
 import pytest
-from test_precompiled_overlay import (
-    make_overlay,
-    make_wheel,
-    pins_for,
-)
+from test_precompiled_overlay import cached_copy, make_overlay, make_wheel, pins_for
 
 ovl = overlay.build_backend()
 TIMEOUT = 120
 REPO_RANGE = ">=3.11,<3.15"
 
 
-def _no_fetch(*args: object) -> Path:
-    raise AssertionError("must not download")
-
-
 def test_wrong_pin_keeps_the_good_cached_wheel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, no_download: None
 ) -> None:
     base = make_wheel(tmp_path)
     cache = tmp_path / "cache"
-    cache.mkdir()
-    cached = cache / base.name
-    shutil.copyfile(base, cached)
+    cached = cached_copy(base, cache)
     good = ovl.sha256_of(base)
     wrong = "0" * 64  # a pin edited by hand
     pins = ovl.Pins("0.33.0", "hisparse1", {base.name: wrong})
-    monkeypatch.setattr(ovl, "_pip_download", _no_fetch)
     with pytest.raises(ovl.OverlayError) as excinfo:
         ovl.fetch_base_wheel(pins, cache_dir=cache)
     message = str(excinfo.value)
@@ -169,10 +158,9 @@ def test_pips_new_error_blocks_are_kept() -> None:
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:1/", "http://127.0.0.1:1"])
 def test_bare_url_location_is_checked_before_download(
-    tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, url: str, no_download: None
 ) -> None:
     base = make_wheel(tmp_path)
-    monkeypatch.setattr(ovl, "_pip_download", _no_fetch)
     with pytest.raises(ovl.OverlayError) as excinfo:
         ovl.fetch_base_wheel(pins_for(base), location=url, cache_dir=tmp_path / "c")
     message = str(excinfo.value)
@@ -181,13 +169,11 @@ def test_bare_url_location_is_checked_before_download(
 
 
 def test_ignored_url_location_is_said(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    tmp_path: Path, no_download: None, capsys: pytest.CaptureFixture
 ) -> None:
     base = make_wheel(tmp_path)
     cache = tmp_path / "cache"
-    cache.mkdir()
-    shutil.copyfile(base, cache / base.name)
-    monkeypatch.setattr(ovl, "_pip_download", _no_fetch)
+    cached_copy(base, cache)
     url = f"http://127.0.0.1:1/files/{base.name}"
     ovl.fetch_base_wheel(pins_for(base), location=url, cache_dir=cache)
     err = capsys.readouterr().err

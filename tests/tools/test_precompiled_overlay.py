@@ -122,6 +122,12 @@ def make_overlay(where: Path, *extra: str) -> Path:
     return root
 
 
+def cached_copy(base: Path, cache: Path) -> Path:
+    """Put ``base`` in the wheel cache ``cache``, as an earlier build did."""
+    cache.mkdir(exist_ok=True)
+    return Path(shutil.copyfile(base, cache / base.name))
+
+
 def corrupt(path: Path) -> None:
     """Flip one byte in the middle, as a bad download or disk would."""
     data = bytearray(path.read_bytes())
@@ -343,19 +349,10 @@ def test_tampered_download_is_not_cached(tmp_path: Path) -> None:
     assert list(cache.iterdir()) == []
 
 
-def test_cache_hit_does_not_fetch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cache_hit_does_not_fetch(tmp_path: Path, no_download: None) -> None:
     base = make_wheel(tmp_path)
     cache = tmp_path / "cache"
-    cache.mkdir()
-    cached = cache / base.name
-    shutil.copyfile(base, cached)
-
-    def no_fetch(*args: object) -> Path:
-        raise AssertionError("a cache hit must not fetch")
-
-    monkeypatch.setattr(ovl, "_pip_download", no_fetch)
+    cached = cached_copy(base, cache)
     assert ovl.fetch_base_wheel(pins_for(base), cache_dir=cache) == cached
     url = f"http://127.0.0.1:1/{base.name}"
     assert ovl.fetch_base_wheel(pins_for(base), location=url, cache_dir=cache) == cached
@@ -367,9 +364,7 @@ def test_corrupt_cached_file_is_replaced(
     base = make_wheel(tmp_path)
     pins = pins_for(base)
     cache = tmp_path / "cache"
-    cache.mkdir()
-    cached = cache / base.name
-    shutil.copyfile(base, cached)
+    cached = cached_copy(base, cache)
     corrupt(cached)
 
     # Offline: the bad copy is gone even though no good one could be fetched.
