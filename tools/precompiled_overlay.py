@@ -3,7 +3,7 @@
 """In-tree PEP 517 backend that builds vLLM as a precompiled overlay.
 
 The repository's ``vllm/`` folder holds only the files this downstream patch
-replaces; everything else comes from the pinned upstream release wheel, in the
+replaces or adds; everything else comes from the pinned upstream release wheel, in the
 same spirit as vLLM's own ``VLLM_USE_PRECOMPILED`` builds. A build:
 
 1. fetches the base wheel with ``pip download`` (so the user's pip index,
