@@ -138,7 +138,7 @@ def remember(originals: Iterable[bytes], cache_dir: Path | None = None) -> None:
             if not target.is_file():
                 _write_atomic(target, data)
     except OSError as err:
-        print(f"precompiled_overlay: not caching originals: {err}", file=sys.stderr)
+        po.log(f"not caching originals: {err}")
 
 
 def recall(digest: str, cache_dir: Path | None = None) -> bytes | None:
@@ -367,7 +367,7 @@ def fetch_release(pins: po.Pins, version: str, cache_dir: Path) -> dict[str, Pat
         guess = f"{pins.name}-{version}-{python_tag}-{abi_tag}-{platform_tag}.whl"
         cached = cache_dir / guess
         if cached.is_file() and pins.sha256.get(guess) in (None, po.sha256_of(cached)):
-            print(f"precompiled_overlay: using cached {cached}", file=sys.stderr)
+            po.log(f"using cached {cached}")
             wheels[guess] = cached
             continue
         platforms = [] if platform_tag == "any" else platform_tag.split(".")
@@ -382,18 +382,11 @@ def _download_release(
     target = f"{pins.name}=={version}"
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps"]
-        cmd += ["--only-binary=:all:", "--progress-bar=off", "--dest", tmp]
-        for platform in platforms:
-            cmd += ["--platform", platform]
-        where = f" for {', '.join(platforms)}" if platforms else ""
-        print(
-            f"precompiled_overlay: fetching {target}{where} with pip", file=sys.stderr
-        )
-        proc = subprocess.run(cmd + [target], capture_output=True, text=True)
+        code, console, debug = po.run_pip_download(target, Path(tmp), platforms)
         found = sorted(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or len(found) != 1:
-            said = po._pip_gist(proc.stderr + proc.stdout)
+        if code != 0 or len(found) != 1:
+            where = f" for {', '.join(platforms)}" if platforms else ""
+            said = po._pip_gist(console, debug)
             raise po.OverlayError(
                 f"could not fetch {target}{where}:\n"
                 + "".join(f"  {line}\n" for line in said)

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -348,11 +348,7 @@ def _pip_download(target: str, dest: Path, pins: Pins, wanted: str) -> Path:
     pip's console output is streamed (with download progress) while its
     debug log is kept, because only the log says why an index URL failed.
     """
-    log(f"fetching {target} with pip")
-    with stage(f"downloaded {target}"):
-        code, console, debug = _run_pip_download(target, dest, "raw")
-        if code == 2 and "invalid choice: 'raw'" in console:  # pip < 24.1
-            code, console, debug = _run_pip_download(target, dest, "off")
+    code, console, debug = run_pip_download(target, dest)
     files = sorted(dest.glob("*.whl"))
     if code != 0 or len(files) != 1:
         said = _pip_gist(console, debug)
@@ -367,7 +363,27 @@ def _pip_download(target: str, dest: Path, pins: Pins, wanted: str) -> Path:
     return files[0]
 
 
-def _run_pip_download(target: str, dest: Path, progress: str) -> tuple:
+def run_pip_download(
+    target: str, dest: Path, platforms: Sequence[str] = ()
+) -> tuple[int, str, str]:
+    """``pip download`` one wheel into ``dest``, for ``platforms`` if given.
+
+    Returns pip's status, console output and debug log (for `_pip_gist`).
+    The rebase fetches new releases through here too, so both show progress
+    and the real cause of a network failure.
+    """
+    where = f" for {', '.join(platforms)}" if platforms else ""
+    log(f"fetching {target}{where} with pip")
+    with stage(f"downloaded {target}{where}"):
+        code, console, debug = _run_pip_download(target, dest, "raw", platforms)
+        if code == 2 and "invalid choice: 'raw'" in console:  # pip < 24.1
+            code, console, debug = _run_pip_download(target, dest, "off", platforms)
+    return code, console, debug
+
+
+def _run_pip_download(
+    target: str, dest: Path, progress: str, platforms: Sequence[str]
+) -> tuple[int, str, str]:
     """Run ``pip download``; return its status, console output and debug log."""
     log_file = dest / ".pip-debug.log"
     cmd = [
@@ -382,6 +398,7 @@ def _run_pip_download(target: str, dest: Path, progress: str) -> tuple:
         str(log_file),
         "--dest",
         str(dest),
+        *(f"--platform={platform}" for platform in platforms),
         target,
     ]
     env = {**os.environ, "COLUMNS": "1000"}  # keep pip's lines unwrapped
