@@ -631,38 +631,17 @@ def collect_overlay(overlay_root: Path) -> list[Path]:
 def apply_overlay(
     tree: Path, source_root: Path, files: list[Path], adds: Iterable[str] = ()
 ) -> None:
-    """Replace upstream files in the unpacked tree (drop-in rule enforced).
+    """Copy the overlay's files into the unpacked tree.
 
-    Only the declared ``adds`` may be new, and those must be. Every bad
-    target is listed at once, before anything is copied, so the user fixes
-    them in one go.
+    What may be replaced or added was settled by
+    ``overlay_patch.check_base_wheel``, which `build` runs first and which
+    lists every file that does not fit; ``adds`` only counts the new ones.
     """
-    added = set(adds)
-    missing = [
-        rel
-        for rel in files
-        if not (tree / rel).is_file() and rel.as_posix() not in added
-    ]
-    shipped = [
-        rel for rel in files if (tree / rel).exists() and rel.as_posix() in added
-    ]
-    if missing or shipped:
-        listed = "".join(f"  {rel.as_posix()}\n" for rel in missing)
-        listed += "".join(f"  {rel.as_posix()} (declared added)\n" for rel in shipped)
-        raise OverlayError(
-            f"these overlay files do not fit the base wheel {tree.name}:\n"
-            f"{listed}"
-            "Fix: the overlay may only replace files that upstream ships "
-            "(drop-in rule) and add files it does not; rename or remove them"
-        )
     for rel in files:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source_root / rel, tree / rel)
-    new = sum(rel.as_posix() in added for rel in files)
-    print(
-        f"precompiled_overlay: replaced {len(files) - new} file(s), added {new}",
-        file=sys.stderr,
-    )
+    new = len({rel.as_posix() for rel in files} & set(adds))
+    log(f"replaced {len(files) - new} file(s), added {new}")
 
 
 def build_overlay_wheel(
