@@ -12,6 +12,7 @@ prints the backend for a deployment (nodes, GPU, HiSparse) and why, and
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -212,6 +213,7 @@ def parse_capability(text: str) -> int:
     )
 
 
+@functools.cache
 def _serve_option_parsers() -> dict[str, Callable[[str], Any]]:
     """`vllm serve`'s own parsers for the options explain reads.
 
