@@ -15,7 +15,13 @@ from pathlib import Path
 
 import overlay
 import pytest
-from test_precompiled_overlay import cached_copy, make_overlay, make_wheel, pins_for
+from test_precompiled_overlay import (
+    cached_copy,
+    make_overlay,
+    make_wheel,
+    pins_for,
+    pip_sees_only,
+)
 
 ovl = overlay.build_backend()
 TIMEOUT = 120
@@ -44,8 +50,7 @@ def test_download_that_misses_its_pin_names_both_hashes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     base = make_wheel(tmp_path)
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(base.parent))
+    pip_sees_only(monkeypatch, base.parent)
     cache = tmp_path / "cache"
     pins = ovl.Pins("0.33.0", "hisparse1", {base.name: "1" * 64})
     with pytest.raises(ovl.OverlayError) as excinfo:

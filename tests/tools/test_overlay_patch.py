@@ -18,7 +18,7 @@ from pathlib import Path
 
 import overlay
 import pytest
-from test_precompiled_overlay import PATCHED, make_wheel, read_member
+from test_precompiled_overlay import PATCHED, make_wheel, pip_sees_only, read_member
 
 ovl = overlay.build_backend()
 patch = importlib.import_module("overlay_patch")
@@ -43,8 +43,7 @@ def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The only place pip may fetch wheels from."""
     folder = tmp_path / "index"
     folder.mkdir()
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+    pip_sees_only(monkeypatch, folder)
     return folder
 
 

@@ -128,6 +128,12 @@ def cached_copy(base: Path, cache: Path) -> Path:
     return Path(shutil.copyfile(base, cache / base.name))
 
 
+def pip_sees_only(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    """Let pip fetch from ``folder`` and nowhere else."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+
+
 def corrupt(path: Path) -> None:
     """Flip one byte in the middle, as a bad download or disk would."""
     data = bytearray(path.read_bytes())
@@ -328,8 +334,7 @@ def test_download_is_verified_then_cached(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     base = make_wheel(tmp_path)
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(base.parent))
+    pip_sees_only(monkeypatch, base.parent)
     got = ovl.fetch_base_wheel(pins_for(base))
     assert got == ovl.default_cache_dir() / base.name
     assert got.parent == tmp_path / "vllm-cache" / "precompiled-wheels"
@@ -377,8 +382,7 @@ def test_corrupt_cached_file_is_replaced(
 
     shutil.copyfile(base, cached)
     corrupt(cached)
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(base.parent))
+    pip_sees_only(monkeypatch, base.parent)
     assert ovl.fetch_base_wheel(pins, cache_dir=cache) == cached
     assert ovl.sha256_of(cached) == pins.sha256[base.name]
     assert [p.name for p in cache.iterdir()] == [base.name]
