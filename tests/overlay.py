@@ -4,7 +4,7 @@
 
 `pip install .` puts our files into site-packages, but a test run must
 exercise the working tree, never a stale installed copy. This installs the
-same meta-path finder as the editable install (tools/overlay_finder.py): each
+same meta-path finder as the editable install (tools/finder.py): each
 module under the repo's `vllm/`, replaced or added, comes from its file here;
 the rest of vLLM still comes from the installed wheel.
 
@@ -29,8 +29,10 @@ BACKEND_PATH = TOOLS_DIR / f"{BACKEND_NAME}.py"
 # siblings by plain name, as they do inside a build.
 if str(TOOLS_DIR) not in sys.path:
     sys.path.append(str(TOOLS_DIR))
+if str(REPO_ROOT) not in sys.path:
+    sys.path.append(str(REPO_ROOT))
 
-import overlay_finder  # noqa: E402
+from tools import finder as overlay_finder  # noqa: E402
 
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
 SOURCES = ("tree", "stock")

@@ -15,7 +15,7 @@ build's time, so:
   normalised file modes make two builds of one tree byte-identical.
 
 The editable variant leaves the tree's Python files out of the wheel and adds
-an import hook (overlay_finder.py) that loads them from the working tree.
+an import hook (tools/finder.py) that loads them from the working tree.
 """
 
 import ast
@@ -44,7 +44,7 @@ CACHE_SUBDIR = "overlay-wheels"
 # Each entry is a full wheel (a few hundred MB): keep the latest few only.
 CACHE_KEEP = 2
 VERSION_MODULE = "vllm/_version.py"
-FINDER_SOURCE = Path(__file__).with_name("overlay_finder.py")
+FINDER_SOURCE = Path(__file__).with_name("finder.py")
 EDITABLE_FINDER = "_vllm_overlay_finder"
 EDITABLE_PTH = "_vllm_overlay_editable.pth"
 _ZIP_EPOCH = 315532800  # 1980-01-01: the earliest time a zip entry can hold

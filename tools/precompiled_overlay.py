@@ -21,7 +21,7 @@ same spirit as vLLM's own ``VLLM_USE_PRECOMPILED`` builds. A build:
 
 The verified base wheel is cached, so a rebuild does not download it again,
 and so is the built wheel, so reinstalling an unchanged tree does not repack.
-``build_editable`` (tools/overlay_repack.py, tools/overlay_finder.py) and
+``build_editable`` (tools/overlay_repack.py, tools/finder.py) and
 ``build_sdist`` (tools/overlay_sdist.py) are the other PEP 517 hooks. Every
 stage is logged with its duration on stderr (``pip install -v`` shows it).
 
@@ -66,7 +66,7 @@ DIST_NAME = "vllm"
 LOCATION_ENV = "VLLM_PRECOMPILED_WHEEL_LOCATION"
 CACHE_SUBDIR = "precompiled-wheels"
 # The backend's own modules (shipped in the sdist, hashed into the cache key).
-BACKEND_MODULE_GLOBS = ("precompiled_overlay.py", "overlay_*.py")
+BACKEND_MODULE_GLOBS = ("precompiled_overlay.py", "overlay_*.py", "finder.py")
 SKIPPED_DIRS = frozenset({"__pycache__"})
 SKIPPED_SUFFIXES = (".pyc",)
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -780,7 +780,7 @@ def build_editable(
     metadata_directory: str | None = None,
 ) -> str:
     """PEP 660: the base wheel without the tree's Python files, plus a hook
-    that imports them from this working tree (tools/overlay_finder.py)."""
+    that imports them from this working tree (tools/finder.py)."""
     return run_hook(lambda: build(Path(wheel_directory), editable=True))
 
 
