@@ -8,7 +8,7 @@ i.e. the download, is excluded), so the ratios hold on any machine:
 - old: verify, ``wheel unpack``, copy the tree's files, ``wheel pack
   --local-version`` and a second full compression by ``wheel tags`` to
   restore the base file name's tags (the backend before issue 9, redone here);
-- first build: tools/precompiled_overlay.build() with an empty build cache;
+- first build: tools.pack.build() with an empty build cache;
 - unchanged rebuild: the same build again, which reuses the cached wheel.
 
 Targets: first build <= 0.6x old, unchanged rebuild <= 0.1x old.
@@ -29,20 +29,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import overlay  # noqa: E402
 
+from tools import check, fetch, pack  # noqa: E402
+from tools.pins import load_pins  # noqa: E402
+
 FIRST_TARGET = 0.6
 REBUILD_TARGET = 0.1
 
 
 def old_pipeline(base: Path, out: Path) -> None:
     """The backend's build before issue 9: two full compressions."""
-    ovl = overlay.build_backend()
-    pins = ovl.load_pins()
-    ovl.verify_base_wheel(base, pins)
+    pins = load_pins()
+    fetch.verify_base_wheel(base, pins)
     python_tag, abi_tag, platform_tag = base.name[: -len(".whl")].split("-")[-3:]
     with tempfile.TemporaryDirectory(prefix="bench-old-") as work:
         _wheel("unpack", "--dest", work, str(base))
         tree = next(Path(work).iterdir())
-        for rel in ovl.collect_overlay(overlay.REPO_ROOT / "vllm"):
+        for rel in check.collect_overlay(overlay.REPO_ROOT / "vllm"):
             shutil.copyfile(overlay.REPO_ROOT / rel, tree / rel)
         _wheel(
             "pack",
@@ -82,9 +84,8 @@ def timed(what: str, run: Callable[[], object]) -> float:
 
 
 def main() -> int:
-    ovl = overlay.build_backend()
-    pins = ovl.load_pins()
-    default = ovl.default_cache_dir() / ovl.select_wheel_for_platform(pins)
+    pins = load_pins()
+    default = fetch.default_cache_dir() / fetch.select_wheel_for_platform(pins)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", type=Path, default=default, help="base wheel")
     args = parser.parse_args()
@@ -100,7 +101,7 @@ def main() -> int:
         cache = dirs["cache"] / "precompiled-wheels"
 
         def new_build(out: Path) -> Callable[[], object]:
-            return lambda: ovl.build(out, location=str(args.base), cache_dir=cache)
+            return lambda: pack.build(out, location=str(args.base), cache_dir=cache)
 
         old = timed("old pipeline", lambda: old_pipeline(args.base, dirs["old"]))
         first = timed("first build", new_build(dirs["first"]))

@@ -13,25 +13,19 @@ base wheel instead, and the modules we add are not importable at all, as in
 upstream, so a test can be shown to fail against upstream.
 """
 
-import importlib.util
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TOOLS_DIR = REPO_ROOT / "tools"
-BACKEND_NAME = "precompiled_overlay"
-BACKEND_PATH = TOOLS_DIR / f"{BACKEND_NAME}.py"
-# tools/ is the PEP 517 backend-path, not a package; its modules import their
-# siblings by plain name, as they do inside a build.
-if str(TOOLS_DIR) not in sys.path:
-    sys.path.append(str(TOOLS_DIR))
+# The build tool is the package tools/ at the repository's root, as the
+# build frontend's backend-path puts it.
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
+from tools import fetch, pins  # noqa: E402
 from tools import finder as overlay_finder  # noqa: E402
 
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
@@ -49,12 +43,12 @@ def tree_files(root: Path = REPO_ROOT) -> list[Path]:
 
 def replaced_files() -> list[Path]:
     """The tree's files that replace upstream's, as pyproject.toml declares."""
-    return sorted(map(Path, build_backend().load_pins().replaces))
+    return sorted(map(Path, pins.load_pins().replaces))
 
 
 def added_files() -> list[Path]:
     """The tree's files that upstream lacks, as pyproject.toml declares."""
-    return sorted(map(Path, build_backend().load_pins().adds))
+    return sorted(map(Path, pins.load_pins().adds))
 
 
 def _module_name(relative: Path) -> str:
@@ -62,27 +56,15 @@ def _module_name(relative: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def build_backend() -> ModuleType:
-    """tools/precompiled_overlay.py, which knows the pinned base wheel.
-
-    tools/ is a PEP 517 backend-path, not a package: put it on sys.path as a
-    build frontend does, so the backend's helper modules there import too.
-    """
-    tools = str(BACKEND_PATH.parent)
-    if tools not in sys.path:
-        sys.path.append(tools)
-    return importlib.import_module(BACKEND_NAME)
-
-
 def run_tool(
     root: Path, *args: str, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python tools/precompiled_overlay.py ARGS`` in ``root``.
+    """Run ``python -m tools ARGS`` in ``root``.
 
     In its own session, so a hung run is killed with every child (pip) it
     started, and the test fails instead of hanging.
     """
-    cmd = [sys.executable, "tools/precompiled_overlay.py", *args]
+    cmd = [sys.executable, "-m", "tools", *args]
     with subprocess.Popen(
         cmd,
         cwd=root,
@@ -102,7 +84,10 @@ def run_tool(
 
 def stock_root() -> Path:
     """A folder holding the base wheel's originals of our replaced files."""
-    return build_backend().extract_base_files(replaced_files())
+    loaded = pins.load_pins()
+    base = fetch.fetch_base_wheel(loaded)
+    dest = fetch.default_cache_dir() / "stock-files" / base.name.removesuffix(".whl")
+    return fetch.extract_base_files(loaded.replaces, dest, base)
 
 
 def install(source: str | None = None) -> dict[str, Path]:

@@ -9,13 +9,15 @@ take the same parameters.
 
 import ast
 import difflib
-import importlib
 import itertools
 import subprocess
 from pathlib import Path
 
 import overlay
 import pytest
+
+from tools import check, fetch
+from tools.pins import load_pins
 
 Signatures = dict[str, list[str]]
 
@@ -112,21 +114,24 @@ def test_replaced_file_carries_only_the_change(stock, relative):
 def test_every_file_is_declared_and_fits_the_base_wheel():
     # The build's own check, on the real pinned wheel: a file under vllm/
     # missing from pyproject.toml, or a stale pin, fails here too.
-    ovl = overlay.build_backend()
-    pins = ovl.load_pins()
+    pins = load_pins()
     overlay_root = overlay.REPO_ROOT / pins.name
-    originals = importlib.import_module("overlay_patch").check_base_wheel(
-        pins, overlay_root, ovl.collect_overlay(overlay_root), ovl.fetch_base_wheel()
+    originals = check.check_base_wheel(
+        pins,
+        overlay_root,
+        check.collect_overlay(overlay_root),
+        fetch.fetch_base_wheel(pins),
+        fetch.default_cache_dir(),
     )
     assert sorted(originals) == sorted(pins.replaces)
 
 
 def test_diff_applied_to_upstream_gives_back_our_files(tmp_path):
-    pins = overlay.build_backend().load_pins()
+    pins = load_pins()
     proc = overlay.run_tool(overlay.REPO_ROOT, "diff", timeout=300)
     assert proc.returncode == 0, proc.stderr
-    source = overlay.build_backend().extract_base_files(
-        list(pins.replaces), tmp_path / "upstream"
+    source = fetch.extract_base_files(
+        pins.replaces, tmp_path / "upstream", fetch.fetch_base_wheel(pins)
     )
     (tmp_path / "overlay.diff").write_text(proc.stdout)
     subprocess.run(

@@ -7,10 +7,10 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
-import overlay
 import pytest
 
-ovl = overlay.build_backend()
+from tools import fetch
+from tools.pins import LOCATION_ENV
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def offline_pip(
     monkeypatch.setenv("PIP_TIMEOUT", "5")
     monkeypatch.setenv("PIP_DISABLE_PIP_VERSION_CHECK", "1")
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
-    monkeypatch.delenv(ovl.LOCATION_ENV, raising=False)
+    monkeypatch.delenv(LOCATION_ENV, raising=False)
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
     yield
 
@@ -55,4 +55,4 @@ def no_download(monkeypatch: pytest.MonkeyPatch) -> None:
     def download(*args: object) -> Path:
         raise AssertionError("the base wheel must not be downloaded here")
 
-    monkeypatch.setattr(ovl, "_pip_download", download)
+    monkeypatch.setattr(fetch, "_pip_download", download)

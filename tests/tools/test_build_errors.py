@@ -23,7 +23,9 @@ from test_precompiled_overlay import (
     pip_sees_only,
 )
 
-ovl = overlay.build_backend()
+from tools import fetch, pack, util
+from tools.pins import LOCATION_ENV, Pins, check_python, supported_python
+
 TIMEOUT = 120
 REPO_RANGE = ">=3.11,<3.15"
 
@@ -34,11 +36,11 @@ def test_wrong_pin_keeps_the_good_cached_wheel(
     base = make_wheel(tmp_path)
     cache = tmp_path / "cache"
     cached = cached_copy(base, cache)
-    good = ovl.sha256_of(base)
+    good = util.sha256_of(base)
     wrong = "0" * 64  # a pin edited by hand
-    pins = ovl.Pins("0.33.0", "hisparse1", {base.name: wrong})
-    with pytest.raises(ovl.OverlayError) as excinfo:
-        ovl.fetch_base_wheel(pins, cache_dir=cache)
+    pins = Pins("0.33.0", "hisparse1", {base.name: wrong})
+    with pytest.raises(util.OverlayError) as excinfo:
+        fetch.fetch_base_wheel(pins, cache_dir=cache)
     message = str(excinfo.value)
     assert cached.read_bytes() == base.read_bytes()  # kept
     assert good in message and wrong in message
@@ -52,11 +54,11 @@ def test_download_that_misses_its_pin_names_both_hashes(
     base = make_wheel(tmp_path)
     pip_sees_only(monkeypatch, base.parent)
     cache = tmp_path / "cache"
-    pins = ovl.Pins("0.33.0", "hisparse1", {base.name: "1" * 64})
-    with pytest.raises(ovl.OverlayError) as excinfo:
-        ovl.fetch_base_wheel(pins, cache_dir=cache)
+    pins = Pins("0.33.0", "hisparse1", {base.name: "1" * 64})
+    with pytest.raises(util.OverlayError) as excinfo:
+        fetch.fetch_base_wheel(pins, cache_dir=cache)
     message = str(excinfo.value)
-    assert ovl.sha256_of(base) in message and "1" * 64 in message
+    assert util.sha256_of(base) in message and "1" * 64 in message
     assert "pin in pyproject.toml" in message and "nothing was cached" in message
     assert ".download-" not in message  # no temporary path that is gone
     assert list(cache.iterdir()) == []
@@ -64,24 +66,24 @@ def test_download_that_misses_its_pin_names_both_hashes(
 
 @pytest.mark.parametrize("version", [(3, 10, 13), (3, 15, 0)])
 def test_python_outside_the_range_is_refused(version: tuple) -> None:
-    with pytest.raises(ovl.OverlayError) as excinfo:
-        ovl.check_python(REPO_RANGE, version)
+    with pytest.raises(util.OverlayError) as excinfo:
+        check_python(REPO_RANGE, version)
     message = str(excinfo.value)
     assert REPO_RANGE in message and ".".join(map(str, version)) in message
     assert "requires-python" in message and "pyproject.toml" in message
-    ovl.check_python(REPO_RANGE, (3, 12, 1))
+    check_python(REPO_RANGE, (3, 12, 1))
 
 
 def test_repo_pins_the_base_wheels_python_range() -> None:
-    assert ovl.supported_python() == REPO_RANGE
+    assert supported_python() == REPO_RANGE
 
 
 def _hook_without_tomllib(python: str, pythonpath: str = "") -> subprocess.Popen:
     """The first hook pip calls, in a Python without tomllib."""
     code = (
         "import sys; sys.modules['tomllib'] = None; "
-        f"sys.path.insert(0, {str(overlay.TOOLS_DIR)!r}); "
-        "import precompiled_overlay as b; b.get_requires_for_build_wheel()"
+        f"sys.path.insert(0, {str(overlay.REPO_ROOT)!r}); "
+        "from tools import buildapi as b; b.get_requires_for_build_wheel()"
     )
     env = {**os.environ, "PYTHONPATH": pythonpath}
     return subprocess.run(
@@ -121,13 +123,15 @@ def _python310() -> str | None:
 
 @pytest.mark.skipif(_python310() is None, reason="no Python 3.10 here")
 def test_real_python310_gets_the_message(tmp_path: Path) -> None:
-    # packaging is pure Python: lend this interpreter's copy, as pip's build
-    # environment would install it.
+    # packaging and wheel are pure Python: lend this interpreter's copies, as
+    # pip's build environment would install them.
     import packaging
+    import wheel
 
     lent = tmp_path / "lent"
     lent.mkdir()
-    (lent / "packaging").symlink_to(Path(packaging.__file__).parent)
+    for package in (packaging, wheel):
+        (lent / package.__name__).symlink_to(Path(package.__file__).parent)
     proc = _hook_without_tomllib(_python310() or "", str(lent))
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -137,8 +141,8 @@ def test_real_python310_gets_the_message(tmp_path: Path) -> None:
 def test_refused_connection_reaches_the_user(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
     # PIP_RETRIES=0 (offline_pip): pip's console only says "from versions: none".
-    with pytest.raises(ovl.OverlayError) as excinfo:
-        ovl.fetch_base_wheel(pins_for(base), cache_dir=tmp_path / "cache")
+    with pytest.raises(util.OverlayError) as excinfo:
+        fetch.fetch_base_wheel(pins_for(base), cache_dir=tmp_path / "cache")
     message = str(excinfo.value)
     assert "Connection refused" in message
     assert "No matching distribution" in message
@@ -155,7 +159,7 @@ def test_pips_new_error_blocks_are_kept() -> None:
         "\n"
         "hint: Are you connected to the Internet?\n"
     )
-    gist = ovl._pip_gist(output)
+    gist = fetch._pip_gist(output)
     assert gist[0] == "error: connection-failed"
     assert "╰─> [Errno 111] Connection refused" in gist
     assert gist[-1] == "hint: Are you connected to the Internet?"
@@ -166,8 +170,8 @@ def test_bare_url_location_is_checked_before_download(
     tmp_path: Path, url: str, no_download: None
 ) -> None:
     base = make_wheel(tmp_path)
-    with pytest.raises(ovl.OverlayError) as excinfo:
-        ovl.fetch_base_wheel(pins_for(base), location=url, cache_dir=tmp_path / "c")
+    with pytest.raises(util.OverlayError) as excinfo:
+        fetch.fetch_base_wheel(pins_for(base), location=url, cache_dir=tmp_path / "c")
     message = str(excinfo.value)
     assert url in message
     assert message.splitlines()[-1].endswith(base.name)  # the Fix line is whole
@@ -180,9 +184,9 @@ def test_ignored_url_location_is_said(
     cache = tmp_path / "cache"
     cached_copy(base, cache)
     url = f"http://127.0.0.1:1/files/{base.name}"
-    ovl.fetch_base_wheel(pins_for(base), location=url, cache_dir=cache)
+    fetch.fetch_base_wheel(pins_for(base), location=url, cache_dir=cache)
     err = capsys.readouterr().err
-    assert f"{ovl.LOCATION_ENV}={url} was not fetched" in err
+    assert f"{LOCATION_ENV}={url} was not fetched" in err
 
 
 def test_cache_root_that_is_a_file(
@@ -193,8 +197,8 @@ def test_cache_root_that_is_a_file(
     not_a_folder.write_text("oops")
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(not_a_folder))
     for location in (None, str(base)):  # base from the index, or given
-        with pytest.raises(ovl.OverlayError, match="is a file, not a folder") as e:
-            ovl.build(
+        with pytest.raises(util.OverlayError, match="is a file, not a folder") as e:
+            pack.build(
                 out_dir,
                 pins=pins_for(base),
                 overlay_root=make_overlay(tmp_path / str(bool(location))),

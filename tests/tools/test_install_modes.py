@@ -31,8 +31,8 @@ from test_precompiled_overlay import (
     read_member,
 )
 
-ovl = overlay.build_backend()
-import overlay_repack  # noqa: E402  (tools/ is on sys.path once overlay is)
+from tools import buildapi, check, fetch, pack, util
+from tools.pins import LOCATION_ENV, check_label
 
 TIMEOUT = 180
 UPSTREAM_NAME = "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
@@ -59,14 +59,14 @@ def test_built_wheel_reports_the_local_version(tmp_path: Path, out_dir: Path) ->
     base = upstream_like(tmp_path)
     written: list[str] = []
 
-    class RecordingWheelFile(overlay_repack.WheelFile):
+    class RecordingWheelFile(pack.WheelFile):
         def writestr(self, zinfo_or_arcname, data, compress_type=None) -> None:
             written.append(getattr(zinfo_or_arcname, "filename", zinfo_or_arcname))
             super().writestr(zinfo_or_arcname, data, compress_type)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(overlay_repack, "WheelFile", RecordingWheelFile)
-        name = ovl.build(
+        mp.setattr(pack, "WheelFile", RecordingWheelFile)
+        name = pack.build(
             out_dir,
             pins=pins_for(base),
             overlay_root=make_overlay(tmp_path),
@@ -93,7 +93,7 @@ def test_stages_are_logged_with_times(
     tmp_path: Path, out_dir: Path, capsys: pytest.CaptureFixture
 ) -> None:
     base = make_wheel(tmp_path)
-    ovl.build(
+    pack.build(
         out_dir,
         pins=pins_for(base),
         overlay_root=make_overlay(tmp_path),
@@ -121,7 +121,7 @@ def test_two_builds_of_one_tree_are_identical(
         out.mkdir()
         old_umask = os.umask(umask)
         try:
-            name = ovl.build(
+            name = pack.build(
                 out,
                 pins=pins_for(base),
                 overlay_root=overlay_root,
@@ -130,7 +130,7 @@ def test_two_builds_of_one_tree_are_identical(
             )
         finally:
             os.umask(old_umask)
-        digests.append(ovl.sha256_of(out / name))
+        digests.append(util.sha256_of(out / name))
     assert digests[0] == digests[1]
     # The default time is the base wheel's own, not the clock's.
     with zipfile.ZipFile(base) as zf:
@@ -144,7 +144,7 @@ def test_source_date_epoch_is_honoured(
 ) -> None:
     base = make_wheel(tmp_path)
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")  # 2023-11-14 22:13:20
-    name = ovl.build(
+    name = pack.build(
         out_dir,
         pins=pins_for(base),
         overlay_root=make_overlay(tmp_path),
@@ -162,7 +162,7 @@ def test_unchanged_rebuild_reuses_the_cached_wheel(
 
     def build(out: Path) -> Path:
         out.mkdir()
-        return out / ovl.build(
+        return out / pack.build(
             out, pins=pins_for(base), overlay_root=overlay_root, location=str(base)
         )
 
@@ -172,7 +172,7 @@ def test_unchanged_rebuild_reuses_the_cached_wheel(
         raise AssertionError("an unchanged tree must not be repacked")
 
     with monkeypatch.context() as mp:
-        mp.setattr(overlay_repack, "repack", no_repack)
+        mp.setattr(pack, "repack", no_repack)
         second = build(tmp_path / "out2")
     assert second.read_bytes() == first.read_bytes()
     assert [p.name for p in second.parent.iterdir()] == [second.name]
@@ -181,8 +181,8 @@ def test_unchanged_rebuild_reuses_the_cached_wheel(
     (overlay_root.parent / PATCHED).write_text(PATCHED_SOURCE + "# edited\n")
     third = build(tmp_path / "out3")
     assert read_member(third, PATCHED.as_posix()).endswith("# edited\n")
-    cache = ovl.default_cache_dir().parent / overlay_repack.CACHE_SUBDIR
-    assert len([p for p in cache.iterdir()]) <= overlay_repack.CACHE_KEEP
+    cache = fetch.default_cache_dir().parent / pack.CACHE_SUBDIR
+    assert len([p for p in cache.iterdir()]) <= pack.CACHE_KEEP
 
 
 def test_tags_are_written_as_headers(tmp_path: Path) -> None:
@@ -192,7 +192,7 @@ def test_tags_are_written_as_headers(tmp_path: Path) -> None:
         "Wheel-Version: 1.0\nGenerator: setuptools (80.10.2)\n"
         "Root-Is-Purelib: false\nTag: cp38-abi3-linux_x86_64\n\n"
     )
-    overlay_repack.write_tags(wheel_file, UPSTREAM_NAME)
+    pack.write_tags(wheel_file, UPSTREAM_NAME)
     assert wheel_file.read_text() == (
         "Wheel-Version: 1.0\nGenerator: setuptools (80.10.2)\n"
         "Root-Is-Purelib: false\nTag: cp38-abi3-manylinux_2_28_x86_64\n"
@@ -201,9 +201,9 @@ def test_tags_are_written_as_headers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("label", ["cpu1", "gfix1"])
 def test_labels_vllm_would_misread_are_refused(label: str) -> None:
-    with pytest.raises(ovl.OverlayError, match="local-label"):
-        overlay_repack.check_label(label)
-    overlay_repack.check_label("hisparse1")
+    with pytest.raises(util.OverlayError, match="local-label"):
+        check_label(label)
+    check_label("hisparse1")
 
 
 def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
@@ -211,7 +211,7 @@ def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
     for attempt in ("a", "b"):
         out = tmp_path / attempt
         out.mkdir()
-        names.append(out / ovl.build_sdist(str(out)))
+        names.append(out / buildapi.build_sdist(str(out)))
     raw = names[0].read_bytes()
     assert raw == names[1].read_bytes()  # reproducible
     assert raw[3] & 0x08 == 0  # no file name in the gzip header
@@ -224,10 +224,9 @@ def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
     listed = sorted(m.name.removeprefix(top) for m in members)
     repo = overlay.REPO_ROOT
     expected = ["PKG-INFO", "README.md", "pyproject.toml"]
-    expected += [f"tools/{p.name}" for p in ovl.backend_modules()]
-    expected += [p.as_posix() for p in ovl.collect_overlay(repo / "vllm")]
+    expected += [f"tools/{p.name}" for p in pack.backend_modules()]
+    expected += [p.as_posix() for p in check.collect_overlay(repo / "vllm")]
     assert listed == sorted(expected)
-    assert "tools/check_spdx_header.py" not in listed
     assert {m.uid for m in members} == {0} and {m.mtime for m in members} == {0}
     assert {m.uname for m in members} == {""}
     assert "Version: 0.33.0+hisparse1\n" in pkg_info
@@ -246,7 +245,7 @@ def test_wheel_builds_from_the_sdist(tmp_path: Path) -> None:
         tar.extractall(tmp_path / "unpacked", filter="data")
     unpacked = _only(tmp_path / "unpacked")
     out = tmp_path / "wheels"
-    env = {**os.environ, ovl.LOCATION_ENV: str(base)}
+    env = {**os.environ, LOCATION_ENV: str(base)}
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     proc = _run([*cmd, "-w", str(out), str(unpacked)], env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -262,7 +261,7 @@ def test_wheel_builds_from_the_sdist(tmp_path: Path) -> None:
 def test_python_m_build_round_trip(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
     project = _scratch_project(tmp_path, base)
-    env = {**os.environ, ovl.LOCATION_ENV: str(base)}
+    env = {**os.environ, LOCATION_ENV: str(base)}
     out = tmp_path / "built"
     # sdist first, then a wheel built from that sdist: build's default.
     cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out)]
@@ -281,7 +280,7 @@ def test_editable_install_imports_the_working_tree(tmp_path: Path) -> None:
     # The outer pip installs into it (--python), so no pip is needed inside.
     venv.create(env_dir, system_site_packages=True, with_pip=False)
     python = env_dir / "bin" / "python"
-    env = {**os.environ, ovl.LOCATION_ENV: str(base)}
+    env = {**os.environ, LOCATION_ENV: str(base)}
     install = [sys.executable, "-m", "pip", "--python", str(python), "install"]
     proc = _run(
         [*install, "--no-deps", "--no-build-isolation", "-e", str(project)], env=env
@@ -324,8 +323,8 @@ def test_editable_install_imports_the_working_tree(tmp_path: Path) -> None:
 def _load_backend_of(project: Path):
     """The scratch project's own copy of the backend, as a frontend loads it."""
     code = (
-        "import sys, pathlib; sys.path.insert(0, 'tools'); "
-        "import precompiled_overlay as b; "
+        "import sys; sys.path.insert(0, '.'); "
+        "from tools import buildapi as b; "
         "print(b.build_sdist(sys.argv[1]))"
     )
 
@@ -361,7 +360,7 @@ def test_no_deps_install_patches_an_existing_vllm_and_can_go_back(
         (lent / package.__name__).symlink_to(Path(package.__file__).parent)
     env = {
         **os.environ,
-        ovl.LOCATION_ENV: str(base),
+        LOCATION_ENV: str(base),
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(base.parent),
         "PYTHONPATH": str(lent),

@@ -9,7 +9,6 @@ PIP_FIND_LINKS), so nothing touches the network.
 """
 
 import hashlib
-import importlib
 import shutil
 import subprocess
 import zipfile
@@ -18,10 +17,16 @@ from pathlib import Path
 
 import overlay
 import pytest
-from test_precompiled_overlay import PATCHED, make_wheel, pip_sees_only, read_member
+from test_precompiled_overlay import (
+    PATCHED,
+    copy_tools,
+    make_wheel,
+    pip_sees_only,
+    read_member,
+)
 
-ovl = overlay.build_backend()
-patch = importlib.import_module("overlay_patch")
+from tools import check, fetch, pack, rebase, util
+from tools.pins import LOCATION_ENV, load_pins
 
 ADDED = "vllm/distributed/device_communicators/added_helper.py"
 # Upstream's file, far enough apart that a change near the top and one near
@@ -73,15 +78,15 @@ def pyproject_text(
     return (
         "[build-system]\n"
         "requires = ['wheel>=0.48.0', 'packaging>=24.0']\n"
-        "build-backend = 'precompiled_overlay'\n"
-        "backend-path = ['tools']\n\n"
+        "build-backend = 'tools.buildapi'\n"
+        "backend-path = ['.']\n\n"
         "[tool.vllm-overlay]\n"
         f'base-version = "{version}"\n'
         'local-label = "hisparse1"\n'
         "# New modules.\n"
         f"adds = [{listed}]\n\n"
         "[tool.vllm-overlay.sha256]\n"
-        + "".join(f'"{w.name}" = "{ovl.sha256_of(w)}"\n' for w in wheels)
+        + "".join(f'"{w.name}" = "{util.sha256_of(w)}"\n' for w in wheels)
         + "\n[tool.vllm-overlay.replaces]\n"
         "# Replaced files, pinned to their upstream originals.\n"
         + "".join(f'"{path}" = "{pin}"\n' for path, pin in replaces.items())
@@ -95,26 +100,37 @@ def make_project(
     adds: tuple[str, ...] = (),
     replaces: Mapping[str, str] | None = None,
 ) -> Path:
-    """A copy of the repo's layout: pins, the backend and an overlay tree."""
+    """A git checkout of the repo's layout: pins, the build tool, a tree."""
     project = tmp_path / "project"
-    (project / "tools").mkdir(parents=True)
-    for tool in ("precompiled_overlay.py", "overlay_patch.py"):
-        shutil.copy(overlay.BACKEND_PATH.parent / tool, project / "tools")
+    copy_tools(project)
     for rel, text in files.items():
         (project / rel).parent.mkdir(parents=True, exist_ok=True)
         (project / rel).write_text(text)
     if replaces is None:
         replaces = {PATCHED.as_posix(): sha(ORIGINAL)}
     (project / "pyproject.toml").write_text(pyproject_text(wheels, replaces, adds))
+    commit(project, "the overlay")
     return project
+
+
+def commit(project: Path, message: str) -> None:
+    """Commit everything in ``project``, making it a git checkout if needed."""
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", message]):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=project,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
 
 
 def build(project: Path, wheel: Path, tmp_path: Path, out: Path | None = None) -> Path:
     """Build the project's overlay on ``wheel``, as pip install . would."""
     out = out or fresh_dir(tmp_path)
-    name = ovl.build(
+    name = pack.build(
         out,
-        pins=ovl.load_pins(project / "pyproject.toml"),
+        pins=load_pins(project / "pyproject.toml"),
         overlay_root=project / "vllm",
         location=str(wheel),
     )
@@ -134,7 +150,7 @@ def fresh_dir(tmp_path: Path) -> Path:
 def refused(project: Path, wheel: Path, tmp_path: Path) -> str:
     """The build's error message; the build must leave no wheel."""
     out = fresh_dir(tmp_path)
-    with pytest.raises(ovl.OverlayError) as excinfo:
+    with pytest.raises(util.OverlayError) as excinfo:
         build(project, wheel, tmp_path, out)
     assert list(out.iterdir()) == []
     return str(excinfo.value)
@@ -142,7 +158,7 @@ def refused(project: Path, wheel: Path, tmp_path: Path) -> str:
 
 def bump_pins_by_hand(project: Path, wheels: list[Path]) -> None:
     """What the issue warns about: new base wheels, file pins left as they were."""
-    pins = ovl.load_pins(project / "pyproject.toml")
+    pins = load_pins(project / "pyproject.toml")
     (project / "pyproject.toml").write_text(
         pyproject_text(wheels, pins.replaces, pins.adds)
     )
@@ -154,7 +170,7 @@ def no_unpacking(monkeypatch: pytest.MonkeyPatch) -> None:
     def unpack(base_wheel: Path, *args: object) -> Path:
         raise AssertionError(f"the base wheel {base_wheel} was unpacked")
 
-    monkeypatch.setattr(importlib.import_module("overlay_repack"), "repack", unpack)
+    monkeypatch.setattr(pack, "repack", unpack)
 
 
 # --- declarations -------------------------------------------------------------
@@ -186,14 +202,14 @@ def test_bad_declarations_name_pyproject(
         + tables.format(pin="a" * 64)
         + f"[tool.vllm-overlay.sha256]\n'vllm-0.33.0-py3-none-any.whl' = '{'a' * 64}'\n"
     )
-    with pytest.raises(ovl.OverlayError) as excinfo:
-        ovl.load_pins(pyproject)
+    with pytest.raises(util.OverlayError) as excinfo:
+        load_pins(pyproject)
     assert expected in str(excinfo.value)
     assert str(pyproject) in str(excinfo.value)
 
 
 def test_repo_pins_declare_the_replaced_file() -> None:
-    pins = ovl.load_pins()
+    pins = load_pins()
     assert PATCHED.as_posix() in pins.replaces
     assert not set(pins.replaces) & set(pins.adds)
 
@@ -233,7 +249,9 @@ def test_identical_base_builds_and_keeps_its_originals(
     project = make_project(tmp_path, wheels, {PATCHED.as_posix(): OURS})
     built = build(project, wheels[0], tmp_path)
     assert read_member(built, PATCHED.as_posix()) == OURS
-    assert (patch.originals_dir() / sha(ORIGINAL)).read_text() == ORIGINAL
+    assert (
+        check.originals_dir(fetch.default_cache_dir()) / sha(ORIGINAL)
+    ).read_text() == ORIGINAL
 
     # Rebasing onto the same release changes nothing, byte for byte.
     before = {p: p.read_bytes() for p in project.rglob("*") if p.is_file()}
@@ -264,7 +282,9 @@ def test_upstream_change_refused_then_rebased(
     if not pins_bumped:
         (project / "pyproject.toml").write_text(pyproject)
         # The old originals then come from the pinned base wheel, through pip.
-        shutil.rmtree(patch.originals_dir())
+        shutil.rmtree(check.originals_dir(fetch.default_cache_dir()))
+    else:
+        commit(project, "bump the base by hand")  # a rebase needs a clean tree
     proc = overlay.run_tool(project, "rebase", "--base-version", NEW_VERSION)
     assert proc.returncode == 0, proc.stderr
 
@@ -272,13 +292,15 @@ def test_upstream_change_refused_then_rebased(
     assert merged == OURS.replace("0.33.0", NEW_VERSION).replace(
         "line_9 = 9", "line_9 = 'upstream'"
     )
-    pins = ovl.load_pins(project / "pyproject.toml")
+    pins = load_pins(project / "pyproject.toml")
     assert pins.base_version == NEW_VERSION
-    assert pins.sha256 == {w.name: ovl.sha256_of(w) for w in new}
+    assert pins.sha256 == {w.name: util.sha256_of(w) for w in new}
     assert pins.replaces == {PATCHED.as_posix(): sha(UPSTREAM_FIX)}
     # Fetched by the build's path into the build's cache.
     for wheel in new:
-        assert (ovl.default_cache_dir() / wheel.name).read_bytes() == wheel.read_bytes()
+        assert (
+            fetch.default_cache_dir() / wheel.name
+        ).read_bytes() == wheel.read_bytes()
     assert read_member(build(project, new[0], tmp_path), PATCHED.as_posix()) == merged
 
 
@@ -300,19 +322,12 @@ def test_conflicting_upstream_change(tmp_path: Path, index: Path) -> None:
     assert (project / "pyproject.toml").read_bytes() == pyproject
     assert "a build refuses files with conflict markers" in proc.stderr
     message = refused(project, old[0], tmp_path)
-    assert f"{PATCHED}: still holds conflict markers" in message
+    assert f"{PATCHED}: holds a conflict marker on line 4" in message
 
     # Running it again cannot stack markers on markers.
     again = overlay.run_tool(project, "rebase", "--base-version", NEW_VERSION)
-    assert again.returncode == 1 and "still hold conflict markers" in again.stderr
+    assert again.returncode == 1 and "uncommitted changes" in again.stderr
     assert (project / PATCHED).read_text() == text
-
-    # Undoing the merge and continuing would drop upstream's change: refused.
-    (project / PATCHED).write_text(OURS)
-    undone = overlay.run_tool(
-        project, "rebase", "--base-version", NEW_VERSION, "--continue"
-    )
-    assert undone.returncode == 1 and "as they were before the rebase" in undone.stderr
     assert (project / "pyproject.toml").read_bytes() == pyproject
 
     resolved = OURS.replace("line_2 = 'ours'", "line_2 = ('ours', 'upstream')")
@@ -321,24 +336,11 @@ def test_conflicting_upstream_change(tmp_path: Path, index: Path) -> None:
         project, "rebase", "--base-version", NEW_VERSION, "--continue"
     )
     assert proc.returncode == 0, proc.stderr
-    pins = ovl.load_pins(project / "pyproject.toml")
+    pins = load_pins(project / "pyproject.toml")
     assert pins.base_version == NEW_VERSION
     assert pins.replaces == {PATCHED.as_posix(): sha(UPSTREAM_CLASH)}
     assert (project / PATCHED).read_text() == resolved.replace("0.33.0", NEW_VERSION)
-    assert not (project / patch.REBASE_STATE).exists()
     build(project, new[0], tmp_path)
-
-
-def test_continue_needs_a_conflicted_rebase(tmp_path: Path, index: Path) -> None:
-    old = release(tmp_path, index, "0.33.0", {PATCHED.as_posix(): ORIGINAL})
-    project = make_project(tmp_path, old, {PATCHED.as_posix(): OURS})
-    pyproject = (project / "pyproject.toml").read_bytes()
-    proc = overlay.run_tool(
-        project, "rebase", "--base-version", NEW_VERSION, "--continue"
-    )
-    assert proc.returncode == 1
-    assert f"no conflicted rebase onto {NEW_VERSION} to continue" in proc.stderr
-    assert (project / "pyproject.toml").read_bytes() == pyproject
 
 
 def test_added_file_that_upstream_now_ships(
@@ -439,7 +441,7 @@ def test_diff_applies_to_upstream_byte_for_byte(
         adds=(ADDED, "vllm/empty_added.py"),
         replaces={path: sha(text) for path, text in upstream.items()},
     )
-    monkeypatch.setenv(ovl.LOCATION_ENV, str(old[0]))
+    monkeypatch.setenv(LOCATION_ENV, str(old[0]))
     proc = overlay.run_tool(project, "diff")
     assert proc.returncode == 0, proc.stderr
     diff = proc.stdout
@@ -464,7 +466,7 @@ def test_diff_refuses_an_overlay_that_does_not_fit(
 ) -> None:
     old = release(tmp_path, index, "0.33.0", {PATCHED.as_posix(): UPSTREAM_FIX})
     project = make_project(tmp_path, old, {PATCHED.as_posix(): OURS})
-    monkeypatch.setenv(ovl.LOCATION_ENV, str(old[0]))
+    monkeypatch.setenv(LOCATION_ENV, str(old[0]))
     proc = overlay.run_tool(project, "diff")
     assert proc.returncode == 1
     assert proc.stdout == ""
@@ -478,12 +480,12 @@ def test_diff_refuses_an_overlay_that_does_not_fit(
 
 def test_rebase_edits_only_the_pins_in_the_repo_pyproject() -> None:
     repo = overlay.REPO_ROOT / "pyproject.toml"
-    pins = ovl.load_pins(repo)
+    pins = load_pins(repo)
     wheels = {
         name.replace(pins.base_version, "9.9.9"): "f" * 64 for name in pins.sha256
     }
     replaces = {path: "e" * 64 for path in pins.replaces}
-    text = patch._new_pyproject(repo, "9.9.9", wheels, replaces)
+    text = rebase._new_pyproject(repo, "9.9.9", wheels, replaces)
     before, after = repo.read_text().splitlines(), text.splitlines()
     assert len(before) == len(after)
     changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Tests for the precompiled overlay build backend (tools/precompiled_overlay.py).
+"""Tests for the precompiled overlay build tool (the package tools/).
 
 Everything runs on tiny synthetic wheels made with the ``wheel`` CLI, with pip
 cut off from every index and config file, so no test touches the network or
@@ -17,8 +17,11 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-import overlay
 import pytest
+from packaging.tags import Tag
+
+from tools import buildapi, check, fetch, pack, util
+from tools.pins import LOCATION_ENV, Pins, load_pins
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PATCHED = Path("vllm/distributed/device_communicators/flashinfer_all_reduce.py")
@@ -35,9 +38,6 @@ VERSION_SOURCE = (
     "__version_tuple__ = version_tuple = (0, 33, 0)\n"
     "__commit_id__ = commit_id = 'g4ba787ec9'\n"
 )
-
-
-ovl = overlay.build_backend()
 
 
 def make_wheel(
@@ -99,10 +99,10 @@ STOCK_PIN = hashlib.sha256(STOCK_SOURCE.encode()).hexdigest()
 
 def pins_for(*wheels: Path, base_version: str = "0.33.0"):
     """Pins that trust exactly the given wheels, replacing the stock PATCHED."""
-    return ovl.Pins(
+    return Pins(
         base_version=base_version,
         local_label="hisparse1",
-        sha256={w.name: ovl.sha256_of(w) for w in wheels},
+        sha256={w.name: util.sha256_of(w) for w in wheels},
         replaces={PATCHED.as_posix(): STOCK_PIN},
     )
 
@@ -148,7 +148,7 @@ def read_member(wheel: Path, member: str) -> str:
 
 
 def test_repo_pins_are_the_upstream_release() -> None:
-    pins = ovl.load_pins()
+    pins = load_pins()
     assert pins.version == "0.33.0+hisparse1"
     assert pins.sha256 == {
         "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl": (
@@ -166,7 +166,7 @@ def test_good_build_overlays_and_relabels(tmp_path: Path, out_dir: Path) -> None
         wheel_tag="cp38-abi3-linux_x86_64",
         file_tags="cp38-abi3-manylinux_2_28_x86_64",
     )
-    name = ovl.build(
+    name = pack.build(
         out_dir,
         pins=pins_for(base),
         overlay_root=make_overlay(tmp_path),
@@ -202,26 +202,26 @@ def test_corrupt_base_wheel_names_expected_hash(tmp_path: Path, out_dir: Path) -
     base = make_wheel(tmp_path)
     pins = pins_for(base)
     corrupt(base)
-    with pytest.raises(ovl.OverlayError) as excinfo:
-        ovl.build(
+    with pytest.raises(util.OverlayError) as excinfo:
+        pack.build(
             out_dir, pins=pins, overlay_root=make_overlay(tmp_path), location=str(base)
         )
     message = str(excinfo.value)
     assert pins.sha256[base.name] in message
     assert str(base) in message
-    assert ovl.LOCATION_ENV in message and "intact copy" in message
+    assert LOCATION_ENV in message and "intact copy" in message
     assert list(out_dir.iterdir()) == []
 
 
 def test_wrong_base_version_is_refused(tmp_path: Path, out_dir: Path) -> None:
     old = make_wheel(tmp_path, version="0.32.0")
-    pins = ovl.Pins(
+    pins = Pins(
         base_version="0.33.0",
         local_label="hisparse1",
         sha256={"vllm-0.33.0-py3-none-any.whl": "0" * 64},
     )
-    with pytest.raises(ovl.OverlayError, match=r"0\.32\.0.*vllm==0\.33\.0"):
-        ovl.build(
+    with pytest.raises(util.OverlayError, match=r"0\.32\.0.*vllm==0\.33\.0"):
+        pack.build(
             out_dir, pins=pins, overlay_root=make_overlay(tmp_path), location=str(old)
         )
     assert list(out_dir.iterdir()) == []
@@ -230,8 +230,8 @@ def test_wrong_base_version_is_refused(tmp_path: Path, out_dir: Path) -> None:
 def test_unpinned_file_name_is_refused(tmp_path: Path) -> None:
     pinned = make_wheel(tmp_path / "a")
     other = make_wheel(tmp_path / "b", wheel_tag="py3-none-linux_x86_64")
-    with pytest.raises(ovl.OverlayError, match="no sha256 is pinned") as excinfo:
-        ovl.fetch_base_wheel(pins_for(pinned), location=str(other))
+    with pytest.raises(util.OverlayError, match="no sha256 is pinned") as excinfo:
+        fetch.fetch_base_wheel(pins_for(pinned), location=str(other))
     assert pinned.name in str(excinfo.value)
 
 
@@ -239,8 +239,8 @@ def test_a_link_is_judged_by_its_own_name(tmp_path: Path) -> None:
     pinned = make_wheel(tmp_path)
     link = tmp_path / "vllm-0.32.0-py3-none-any.whl"
     link.symlink_to(pinned)
-    with pytest.raises(ovl.OverlayError, match=r"vllm==0\.33\.0"):
-        ovl.fetch_base_wheel(pins_for(pinned), location=str(link))
+    with pytest.raises(util.OverlayError, match=r"vllm==0\.33\.0"):
+        fetch.fetch_base_wheel(pins_for(pinned), location=str(link))
 
 
 def test_pins_must_match_base_version(tmp_path: Path) -> None:
@@ -249,15 +249,15 @@ def test_pins_must_match_base_version(tmp_path: Path) -> None:
         "[tool.vllm-overlay]\nbase-version = '0.33.0'\nlocal-label = 'x1'\n"
         f"[tool.vllm-overlay.sha256]\n'vllm-0.32.0-py3-none-any.whl' = '{'a' * 64}'\n"
     )
-    with pytest.raises(ovl.OverlayError, match=r"is not a vllm==0\.33\.0 wheel"):
-        ovl.load_pins(pyproject)
+    with pytest.raises(util.OverlayError, match=r"is not a vllm==0\.33\.0 wheel"):
+        load_pins(pyproject)
 
 
 def test_overlay_file_missing_from_base(tmp_path: Path, out_dir: Path) -> None:
     base = make_wheel(tmp_path)
     overlay = make_overlay(tmp_path, "vllm/brand_new.py", "vllm/distributed/x.py")
-    with pytest.raises(ovl.OverlayError, match="drop-in") as excinfo:
-        ovl.build(
+    with pytest.raises(util.OverlayError, match="drop-in") as excinfo:
+        pack.build(
             out_dir, pins=pins_for(base), overlay_root=overlay, location=str(base)
         )
     message = str(excinfo.value)
@@ -268,25 +268,24 @@ def test_overlay_file_missing_from_base(tmp_path: Path, out_dir: Path) -> None:
 
 def test_extract_base_files_gives_stock_sources(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
-    folder = ovl.extract_base_files([PATCHED], base_wheel=base)
-    assert folder.is_relative_to(ovl.default_cache_dir())
+    folder = fetch.extract_base_files([PATCHED.as_posix()], tmp_path / "stock", base)
     assert (folder / PATCHED).read_text() == STOCK_SOURCE
     assert [p.name for p in (folder / PATCHED).parent.iterdir()] == [PATCHED.name]
-    with pytest.raises(ovl.OverlayError, match=r"vllm/brand_new\.py"):
-        ovl.extract_base_files(["vllm/brand_new.py"], tmp_path / "x", base_wheel=base)
+    with pytest.raises(util.OverlayError, match=r"vllm/brand_new\.py"):
+        fetch.extract_base_files(["vllm/brand_new.py"], tmp_path / "x", base)
 
 
 def test_empty_overlay_is_refused(tmp_path: Path) -> None:
     (tmp_path / "vllm" / "__pycache__").mkdir(parents=True)
-    with pytest.raises(ovl.OverlayError, match="nothing to overlay"):
-        ovl.collect_overlay(tmp_path / "vllm")
+    with pytest.raises(util.OverlayError, match="nothing to overlay"):
+        check.collect_overlay(tmp_path / "vllm")
 
 
 def test_no_network_from_index(tmp_path: Path, out_dir: Path) -> None:
     base = make_wheel(tmp_path)
     cache = tmp_path / "cache"
-    with pytest.raises(ovl.OverlayError) as excinfo:
-        ovl.build(
+    with pytest.raises(util.OverlayError) as excinfo:
+        pack.build(
             out_dir,
             pins=pins_for(base),
             overlay_root=make_overlay(tmp_path),
@@ -294,7 +293,7 @@ def test_no_network_from_index(tmp_path: Path, out_dir: Path) -> None:
         )
     message = str(excinfo.value)
     assert "could not fetch the base wheel vllm==0.33.0" in message
-    assert "proxy" in message and ovl.LOCATION_ENV in message
+    assert "proxy" in message and LOCATION_ENV in message
     assert base.name in message
     assert list(cache.iterdir()) == []  # no half file, no temp dir
     assert list(out_dir.iterdir()) == []
@@ -304,8 +303,8 @@ def test_no_network_from_url(tmp_path: Path, closed_port: int) -> None:
     base = make_wheel(tmp_path)
     cache = tmp_path / "cache"
     url = f"http://127.0.0.1:{closed_port}/files/{base.name}"
-    with pytest.raises(ovl.OverlayError, match="could not fetch") as excinfo:
-        ovl.fetch_base_wheel(pins_for(base), location=url, cache_dir=cache)
+    with pytest.raises(util.OverlayError, match="could not fetch") as excinfo:
+        fetch.fetch_base_wheel(pins_for(base), location=url, cache_dir=cache)
     assert url in str(excinfo.value)
     assert list(cache.iterdir()) == []
 
@@ -320,7 +319,7 @@ def test_pip_failure_gist_keeps_the_network_cause() -> None:
         "[Errno 111] Connection refused')': /simple/vllm/\n"
         "ERROR: No matching distribution found for vllm==0.33.0\n"
     )
-    gist = ovl._pip_gist(output)
+    gist = fetch._pip_gist(output)
     assert len(gist) == 2
     assert gist[0] == (
         "WARNING: Retrying after connection broken by 'NewConnectionError("
@@ -335,8 +334,8 @@ def test_download_is_verified_then_cached(
 ) -> None:
     base = make_wheel(tmp_path)
     pip_sees_only(monkeypatch, base.parent)
-    got = ovl.fetch_base_wheel(pins_for(base))
-    assert got == ovl.default_cache_dir() / base.name
+    got = fetch.fetch_base_wheel(pins_for(base))
+    assert got == fetch.default_cache_dir() / base.name
     assert got.parent == tmp_path / "vllm-cache" / "precompiled-wheels"
     assert got.read_bytes() == base.read_bytes()
     assert [p.name for p in got.parent.iterdir()] == [base.name]
@@ -348,8 +347,8 @@ def test_tampered_download_is_not_cached(tmp_path: Path) -> None:
     pins = pins_for(make_wheel(tmp_path / "upstream"))
     impostor = make_wheel(tmp_path / "mirror", init_source="evil = True\n")
     cache = tmp_path / "cache"
-    with pytest.raises(ovl.OverlayError, match="nothing was cached") as excinfo:
-        ovl.fetch_base_wheel(pins, location=impostor.as_uri(), cache_dir=cache)
+    with pytest.raises(util.OverlayError, match="nothing was cached") as excinfo:
+        fetch.fetch_base_wheel(pins, location=impostor.as_uri(), cache_dir=cache)
     assert pins.sha256[impostor.name] in str(excinfo.value)
     assert list(cache.iterdir()) == []
 
@@ -358,9 +357,11 @@ def test_cache_hit_does_not_fetch(tmp_path: Path, no_download: None) -> None:
     base = make_wheel(tmp_path)
     cache = tmp_path / "cache"
     cached = cached_copy(base, cache)
-    assert ovl.fetch_base_wheel(pins_for(base), cache_dir=cache) == cached
+    assert fetch.fetch_base_wheel(pins_for(base), cache_dir=cache) == cached
     url = f"http://127.0.0.1:1/{base.name}"
-    assert ovl.fetch_base_wheel(pins_for(base), location=url, cache_dir=cache) == cached
+    assert (
+        fetch.fetch_base_wheel(pins_for(base), location=url, cache_dir=cache) == cached
+    )
 
 
 def test_corrupt_cached_file_is_replaced(
@@ -373,8 +374,8 @@ def test_corrupt_cached_file_is_replaced(
     corrupt(cached)
 
     # Offline: the bad copy is gone even though no good one could be fetched.
-    with pytest.raises(ovl.OverlayError, match="could not fetch"):
-        ovl.fetch_base_wheel(pins, cache_dir=cache)
+    with pytest.raises(util.OverlayError, match="could not fetch"):
+        fetch.fetch_base_wheel(pins, cache_dir=cache)
     assert list(cache.iterdir()) == []
     err = capsys.readouterr().err
     assert f"cached base wheel {cached} is corrupt" in err
@@ -383,8 +384,8 @@ def test_corrupt_cached_file_is_replaced(
     shutil.copyfile(base, cached)
     corrupt(cached)
     pip_sees_only(monkeypatch, base.parent)
-    assert ovl.fetch_base_wheel(pins, cache_dir=cache) == cached
-    assert ovl.sha256_of(cached) == pins.sha256[base.name]
+    assert fetch.fetch_base_wheel(pins, cache_dir=cache) == cached
+    assert util.sha256_of(cached) == pins.sha256[base.name]
     assert [p.name for p in cache.iterdir()] == [base.name]
     err = capsys.readouterr().err
     assert f"cached base wheel {cached} is corrupt" in err
@@ -392,19 +393,19 @@ def test_corrupt_cached_file_is_replaced(
 
 
 def test_no_pinned_wheel_for_this_platform(tmp_path: Path) -> None:
-    pins = ovl.Pins(
+    pins = Pins(
         base_version="0.33.0",
         local_label="hisparse1",
         sha256={"vllm-0.33.0-cp38-abi3-manylinux_2_28_s390x.whl": "0" * 64},
     )
-    supported = ovl.Tag("cp311", "cp311", "manylinux_2_36_x86_64")
-    with pytest.raises(ovl.OverlayError, match="fits this platform") as excinfo:
-        ovl.fetch_base_wheel(pins, cache_dir=tmp_path, supported_tags=[supported])
-    assert "s390x" in str(excinfo.value) and ovl.LOCATION_ENV in str(excinfo.value)
+    supported = Tag("cp311", "cp311", "manylinux_2_36_x86_64")
+    with pytest.raises(util.OverlayError, match="fits this platform") as excinfo:
+        fetch.fetch_base_wheel(pins, cache_dir=tmp_path, supported_tags=[supported])
+    assert "s390x" in str(excinfo.value) and LOCATION_ENV in str(excinfo.value)
 
 
 def test_platform_choice_follows_tag_priority() -> None:
-    pins = ovl.Pins(
+    pins = Pins(
         base_version="0.33.0",
         local_label="hisparse1",
         sha256={
@@ -413,39 +414,46 @@ def test_platform_choice_follows_tag_priority() -> None:
             "vllm-0.33.0-py3-none-any.whl": "2" * 64,
         },
     )
-    arm = ovl.Tag("cp38", "abi3", "manylinux_2_28_aarch64")
-    pure = ovl.Tag("py3", "none", "any")
-    assert ovl.select_wheel_for_platform(pins, [arm, pure]).endswith("_aarch64.whl")
-    assert ovl.select_wheel_for_platform(pins, [pure, arm]).endswith("-any.whl")
+    arm = Tag("cp38", "abi3", "manylinux_2_28_aarch64")
+    pure = Tag("py3", "none", "any")
+    assert fetch.select_wheel_for_platform(pins, [arm, pure]).endswith("_aarch64.whl")
+    assert fetch.select_wheel_for_platform(pins, [pure, arm]).endswith("-any.whl")
 
 
 def test_hook_error_is_a_short_message(capsys: pytest.CaptureFixture) -> None:
     def broken() -> str:
-        raise ovl.OverlayError("base wheel is bad.\nFix: do the thing")
+        raise util.OverlayError("base wheel is bad.\nFix: do the thing")
 
     with pytest.raises(SystemExit) as excinfo:
-        ovl.run_hook(broken)
+        buildapi._run(broken)
     assert excinfo.value.code == 1
     assert capsys.readouterr().err == "error: base wheel is bad.\nFix: do the thing\n"
+
+
+def copy_tools(project: Path) -> None:
+    """Give a scratch project its own copy of the build tool, as a clone has."""
+    shutil.copytree(
+        REPO_ROOT / "tools",
+        project / "tools",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
 
 
 def _scratch_project(tmp_path: Path, base: Path) -> Path:
     """A repo copy whose pins trust ``base``, to drive the backend through pip."""
     project = tmp_path / "project"
-    (project / "tools").mkdir(parents=True)
-    for module in ovl.backend_modules():
-        shutil.copy(module, project / "tools")
+    copy_tools(project)
     shutil.copytree(make_overlay(tmp_path), project / "vllm")
     (project / "pyproject.toml").write_text(
         "[build-system]\n"
         "requires = ['wheel>=0.48.0', 'packaging>=24.0']\n"
-        "build-backend = 'precompiled_overlay'\n"
-        "backend-path = ['tools']\n\n"
+        "build-backend = 'tools.buildapi'\n"
+        "backend-path = ['.']\n\n"
         "[tool.vllm-overlay]\n"
         "base-version = '0.33.0'\n"
         "local-label = 'hisparse1'\n\n"
         "[tool.vllm-overlay.sha256]\n"
-        f"'{base.name}' = '{ovl.sha256_of(base)}'\n\n"
+        f"'{base.name}' = '{util.sha256_of(base)}'\n\n"
         "[tool.vllm-overlay.replaces]\n"
         f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n"
     )
@@ -454,7 +462,7 @@ def _scratch_project(tmp_path: Path, base: Path) -> Path:
 
 def _pip_wheel(project: Path, out: Path, base: Path) -> subprocess.CompletedProcess:
     """``pip wheel .`` without build isolation, so no index is needed."""
-    env = {**os.environ, ovl.LOCATION_ENV: str(base)}
+    env = {**os.environ, LOCATION_ENV: str(base)}
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
     return subprocess.run(
         [*cmd, "-w", str(out), str(project)],
@@ -482,6 +490,6 @@ def test_pip_shows_the_error_without_traceback(tmp_path: Path, out_dir: Path) ->
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "does not match its pin" in output
-    assert ovl.sha256_of(base) in output  # the actual hash, next to the expected
+    assert util.sha256_of(base) in output  # the actual hash, next to the expected
     assert "Traceback" not in output
     assert list(out_dir.iterdir()) == []

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Turn the verified base wheel into the overlay wheel, fast and reproducibly.
+"""Stage 4: pack the overlay wheel, fast and reproducibly; and the whole build.
 
-Part of the precompiled_overlay build backend (tools/ is its backend-path).
 Compressing the few hundred MB of upstream binaries is nearly all of a
 build's time, so:
 
@@ -12,10 +11,7 @@ build's time, so:
 - a built wheel is cached, keyed by everything that decides its bytes, so
   reinstalling an unchanged tree copies a file instead of repacking;
 - ``SOURCE_DATE_EPOCH`` (default: the base wheel's own newest timestamp) and
-  normalised file modes make two builds of one tree byte-identical.
-
-The editable variant leaves the tree's Python files out of the wheel and adds
-an import hook (tools/finder.py) that loads them from the working tree.
+  fixed file modes make two builds of one tree byte-identical.
 """
 
 import ast
@@ -30,74 +26,86 @@ import stat
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable
 from email.generator import BytesGenerator
 from email.parser import BytesParser
 from pathlib import Path
 
-import precompiled_overlay as ovl
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import parse_wheel_filename
-from wheel.wheelfile import WheelFile
+from wheel.wheelfile import WheelFile  # type: ignore[import-untyped]
+
+from .check import check_base_wheel, collect_overlay
+from .fetch import default_cache_dir, fetch_base_wheel
+from .overlay import apply_editable, apply_overlay
+from .pins import CONFIG_TABLE, REPO_ROOT, Pins, load_pins, supported_python
+from .util import (
+    OverlayError,
+    ensure_folder,
+    log,
+    remove_leftovers,
+    scratch_folder,
+    sha256_of,
+    source_date_epoch,
+    stage,
+)
 
 CACHE_SUBDIR = "overlay-wheels"
 # Each entry is a full wheel (a few hundred MB): keep the latest few only.
 CACHE_KEEP = 2
 VERSION_MODULE = "vllm/_version.py"
-FINDER_SOURCE = Path(__file__).with_name("finder.py")
-EDITABLE_FINDER = "_vllm_overlay_finder"
-EDITABLE_PTH = "_vllm_overlay_editable.pth"
 _ZIP_EPOCH = 315532800  # 1980-01-01: the earliest time a zip entry can hold
 _VERSION_LINE = re.compile(r"^(__version__ = version = ).*$", re.M)
 _TUPLE_LINE = re.compile(r"^(__version_tuple__ = version_tuple = )(.*)$", re.M)
-# Local labels that vLLM 0.33.0 reads as something else (see check_label).
-_LABEL_MISREAD = (
-    ("cpu", "vllm/platforms picks the CPU platform when 'cpu' is in the version"),
-    ("g", "vllm collect-env reads a last version part starting with 'g' as a git sha"),
-)
 
 
-def check_label(label: str) -> None:
-    """Refuse local labels that vLLM's own version checks would misread."""
-    lowered = label.lower()
-    for text, why in _LABEL_MISREAD:
-        if lowered.startswith(text) if text == "g" else text in lowered:
-            raise ovl.OverlayError(
-                f"local-label {label!r} in pyproject.toml cannot be used: {why}.\n"
-                "Fix: choose another local-label"
-            )
+def build(
+    wheel_directory: Path,
+    *,
+    pins: Pins | None = None,
+    overlay_root: Path | None = None,
+    location: str | None = None,
+    cache_dir: Path | None = None,
+    editable: bool = False,
+) -> str:
+    """The whole build, stage by stage, with injectable inputs; the PEP 517
+    hooks call this. Returns the wheel's file name."""
+    started = time.monotonic()
+    pins = pins or load_pins()
+    overlay_root = overlay_root or REPO_ROOT / pins.name
+    cache_dir = cache_dir or default_cache_dir()
+    files = collect_overlay(overlay_root)  # fail fast, before a download
+    base = fetch_base_wheel(pins, location=location, cache_dir=cache_dir)
+    check_base_wheel(pins, overlay_root, files, base, cache_dir)
+    name = build_cached(
+        base, wheel_directory, pins, overlay_root, files, editable, cache_dir.parent
+    )
+    log(f"built {name}")
+    log(f"done in {time.monotonic() - started:.1f} s")
+    return name
 
 
-def source_date_epoch(base_wheel: Path) -> str:
+def backend_modules() -> list[Path]:
+    """This build tool's own files: shipped in the sdist, hashed into the key."""
+    return sorted(Path(__file__).parent.glob("*.py"))
+
+
+def base_epoch(base_wheel: Path) -> str:
     """``$SOURCE_DATE_EPOCH``, else the newest timestamp inside the base wheel.
 
     The default ties the build's timestamps to the pinned input, not to the
     clock, so rebuilding the same tree anywhere gives the same bytes.
     """
-    given = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
-    if given:
-        if not given.isdigit():
-            raise ovl.OverlayError(
-                f"SOURCE_DATE_EPOCH={given!r} is not a whole number of seconds.\n"
-                "Fix: unset it, or set it to e.g. $(git log -1 --format=%ct)"
-            )
-        return given
+    given = source_date_epoch()
+    if given is not None:
+        return str(given)
     with zipfile.ZipFile(base_wheel) as zf:
         newest = max(info.date_time for info in zf.infolist())
     return str(calendar.timegm((*newest, 0, 0, 0)))
 
 
-def backend_digest() -> str:
-    """Hash of the backend's own code: a changed backend must not hit the cache."""
-    digest = hashlib.sha256()
-    for path in ovl.backend_modules():
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
 def cache_key(
     base_wheel: Path,
-    pins: "ovl.Pins",
+    pins: Pins,
     overlay_root: Path,
     files: list[Path],
     editable: bool,
@@ -113,26 +121,27 @@ def cache_key(
     entries = []
     for rel in files:
         path = tree / rel
-        live = editable and rel.suffix == ".py"
-        content = "" if live else ovl.sha256_of(path)
-        executable = bool(path.stat().st_mode & stat.S_IXUSR)
-        entries.append([rel.as_posix(), content, executable])
+        content = "" if editable and rel.suffix == ".py" else sha256_of(path)
+        entries.append([rel.as_posix(), content, bool(path.stat().st_mode & 0o100)])
+    backend = hashlib.sha256()
+    for path in backend_modules():
+        backend.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     facts = {
         "base": [base_wheel.name, pins.sha256[base_wheel.name]],
         "version": pins.version,
         "files": entries,
         "editable": str(tree.resolve()) if editable else None,
         "epoch": epoch,
-        "backend": backend_digest(),
+        "backend": backend.hexdigest(),
     }
     blob = json.dumps(facts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
-def target_name(base_wheel: Path, pins: "ovl.Pins") -> str:
+def target_name(base_wheel: Path, pins: Pins) -> str:
     """The overlay wheel's file name: the base file name's tags, new version."""
-    python_tag, abi_tag, platform_tag = base_wheel.name[: -len(".whl")].split("-")[-3:]
-    return f"{pins.name}-{pins.version}-{python_tag}-{abi_tag}-{platform_tag}.whl"
+    tags = base_wheel.name.removesuffix(".whl").split("-")[-3:]
+    return "-".join([pins.name, pins.version, *tags]) + ".whl"
 
 
 def place(built: Path, wheel_directory: Path) -> None:
@@ -151,28 +160,27 @@ def place(built: Path, wheel_directory: Path) -> None:
 def build_cached(
     base_wheel: Path,
     wheel_directory: Path,
-    pins: "ovl.Pins",
+    pins: Pins,
     overlay_root: Path,
     files: list[Path],
-    *,
-    editable: bool = False,
-    cache_root: Path | None = None,
+    editable: bool,
+    cache_root: Path,
 ) -> str:
     """Build (or reuse) the overlay wheel; return its file name."""
-    check_label(pins.local_label)
     name = target_name(base_wheel, pins)
-    epoch = source_date_epoch(base_wheel)
-    with ovl.stage("hashed the overlay"):
+    epoch = base_epoch(base_wheel)
+    with stage("hashed the overlay"):
         key = cache_key(base_wheel, pins, overlay_root, files, editable, epoch)
-    cache = (cache_root or ovl.default_cache_dir().parent) / CACHE_SUBDIR
-    ovl.ensure_folder(cache, "overlay wheel cache")
+    cache = cache_root / CACHE_SUBDIR
+    ensure_folder(cache, "overlay wheel cache")
+    remove_leftovers(cache)
     entry = cache / key
     if (entry / name).is_file():
-        with ovl.stage(f"reused the cached build {entry / name}"):
+        with stage(f"reused the cached build {entry / name}"):
             os.utime(entry)  # most recently used: kept by _prune
             place(entry / name, wheel_directory)
         return name
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".building-") as s:
+    with scratch_folder(cache, ".building-") as s:
         stage_dir = Path(s)
         repack(base_wheel, stage_dir, pins, overlay_root, files, editable, epoch)
         try:
@@ -201,7 +209,7 @@ def _prune(cache: Path, keep: Path) -> None:
 def repack(
     base_wheel: Path,
     dest: Path,
-    pins: "ovl.Pins",
+    pins: Pins,
     overlay_root: Path,
     files: list[Path],
     editable: bool,
@@ -214,40 +222,37 @@ def repack(
     the new one, which saves writing and re-reading the whole tree.
     """
     name = target_name(base_wheel, pins)
-    tree_root = overlay_root.parent
     with (
         zipfile.ZipFile(base_wheel) as src,
         tempfile.TemporaryDirectory(prefix="vllm-overlay-") as work,
     ):
         members = {i.filename: i for i in src.infolist() if not i.is_dir()}
-        tree = Path(work) / base_wheel.name.split("-")[0]
+        tree = Path(work) / "tree"
         dist_info = _dist_info_name(members)
         touched = [f"{dist_info}/METADATA", f"{dist_info}/WHEEL", VERSION_MODULE]
         touched += [rel.as_posix() for rel in files if rel.as_posix() in members]
         for member in touched:
             if member in members:
                 _extract(src, members[member], tree)
+        dropped: set[str] = set()
         if editable:
-            dropped = _make_editable(tree, tree_root, files)
+            dropped = apply_editable(tree, overlay_root.parent, files)
         else:
-            dropped = set()
-            ovl.apply_overlay(tree, tree_root, files, pins.adds)
-            _normalise_modes(tree, tree_root, files)
+            apply_overlay(tree, overlay_root.parent, files, pins.adds)
         _check_requires_python(tree / dist_info)
         write_tags(tree / dist_info / "WHEEL", base_wheel.name)
         write_version(tree / VERSION_MODULE, pins)
         write_metadata_version(tree / dist_info / "METADATA", pins.version)
-        with ovl.stage(f"packed {name} (SOURCE_DATE_EPOCH={epoch})"):
+        with stage(f"packed {name} (SOURCE_DATE_EPOCH={epoch})"):
             _pack(src, members, tree, dist_info, dropped, dest / name, pins, epoch)
     return dest / name
 
 
 def _dist_info_name(members: dict) -> str:
-    found = {
-        n.split("/", 1)[0] for n in members if n.split("/", 1)[0].endswith(".dist-info")
-    }
+    found = {n.split("/", 1)[0] for n in members}
+    found = {n for n in found if n.endswith(".dist-info")}
     if len(found) != 1:
-        raise ovl.OverlayError(f"the base wheel has {len(found)} .dist-info folders")
+        raise OverlayError(f"the base wheel has {len(found)} .dist-info folders")
     return found.pop()
 
 
@@ -266,7 +271,7 @@ def _pack(
     dist_info: str,
     dropped: set,
     target: Path,
-    pins: "ovl.Pins",
+    pins: Pins,
     epoch: str,
 ) -> None:
     """Write the new wheel: changed files from ``tree``, the rest from ``src``.
@@ -316,50 +321,11 @@ def write_metadata_version(metadata: Path, version: str) -> None:
         BytesGenerator(f, maxheaderlen=0).flatten(message)
 
 
-def _normalise_modes(tree: Path, source_root: Path, files: Iterable[Path]) -> None:
-    """Give overlay files fixed modes: ``wheel pack`` stores what it finds.
-
-    Without this, the umask or checkout would leak into the wheel's bytes.
-    """
-    for rel in files:
-        executable = (source_root / rel).stat().st_mode & stat.S_IXUSR
-        (tree / rel).chmod(0o755 if executable else 0o644)
-
-
-def _make_editable(tree: Path, source_root: Path, files: list[Path]) -> set[str]:
-    """Leave the tree's Python files out and add the hook that imports them.
-
-    Other files (data, if the tree ever has any) are copied in: vLLM finds
-    those next to its installed modules, so they take effect on reinstall.
-    """
-    python = [rel for rel in files if rel.suffix == ".py"]
-    for rel in python:
-        (tree / rel).unlink(missing_ok=True)
-    data = [rel for rel in files if rel.suffix != ".py"]
-    if data:
-        ovl.apply_overlay(tree, source_root, data)
-        _normalise_modes(tree, source_root, data)
-    finder = tree / f"{EDITABLE_FINDER}.py"
-    shutil.copyfile(FINDER_SOURCE, finder)
-    finder.chmod(0o644)
-    pth = tree / EDITABLE_PTH
-    pth.write_text(
-        f"import {EDITABLE_FINDER}; "
-        f"{EDITABLE_FINDER}.install({str(source_root.resolve())!r})\n"
-    )
-    pth.chmod(0o644)
-    ovl.log(
-        f"editable: vllm modules under {source_root} load from there; edit "
-        "and restart, no reinstall"
-    )
-    return {rel.as_posix() for rel in python}
-
-
 def _check_requires_python(dist_info: Path) -> None:
     """The pinned Python range must be the base wheel's: it is what pip checks."""
     metadata = (dist_info / "METADATA").read_text(encoding="utf-8")
     found = re.search(r"^Requires-Python:\s*(.+?)\s*$", metadata, re.M)
-    pinned = ovl.supported_python()
+    pinned = supported_python()
     if found is None:
         return
     try:
@@ -367,9 +333,9 @@ def _check_requires_python(dist_info: Path) -> None:
     except InvalidSpecifier:
         same = False
     if not same:
-        raise ovl.OverlayError(
+        raise OverlayError(
             f"the base wheel requires Python {found.group(1)}, but "
-            f'requires-python = "{pinned}" in [tool.{ovl.CONFIG_TABLE}] of '
+            f'requires-python = "{pinned}" in [tool.{CONFIG_TABLE}] of '
             "pyproject.toml.\n"
             f'Fix: set requires-python = "{found.group(1)}" there'
         )
@@ -379,18 +345,18 @@ def write_tags(wheel_file: Path, base_name: str) -> None:
     """Give the WHEEL file the base file name's tags before packing.
 
     Upstream's WHEEL says ``linux_x86_64`` while its file name says
-    ``manylinux_2_28_x86_64``; ``wheel pack`` names the file after WHEEL, so
-    this makes the packed name right without a second compression pass.
+    ``manylinux_2_28_x86_64``; pip names the installed wheel after WHEEL, so
+    this makes the name right without a second compression pass.
     """
     tags = sorted(str(tag) for tag in parse_wheel_filename(base_name)[3])
     lines = wheel_file.read_text(encoding="utf-8").splitlines()
     # Headers only: upstream's file ends with a blank line, after which a
-    # Tag line would be body text that ``wheel pack`` does not read.
+    # Tag line would be body text that nothing reads.
     kept = [line for line in lines if line.strip() and not line.startswith("Tag:")]
     wheel_file.write_text("\n".join([*kept, *(f"Tag: {t}" for t in tags)]) + "\n")
 
 
-def write_version(module: Path, pins: "ovl.Pins") -> None:
+def write_version(module: Path, pins: Pins) -> None:
     """Make ``vllm.__version__`` say what ``pip show vllm`` says.
 
     The base's ``_version.py`` is generated by vcs-versioning; its version
@@ -404,12 +370,12 @@ def write_version(module: Path, pins: "ovl.Pins") -> None:
     version_lines = _VERSION_LINE.findall(text)
     tuple_lines = _TUPLE_LINE.findall(text)
     if len(version_lines) != 1 or len(tuple_lines) != 1:
-        raise ovl.OverlayError(
+        raise OverlayError(
             f"cannot set the version in {VERSION_MODULE} of the base wheel: "
             "expected one '__version__ = version = ...' and one "
             "'__version_tuple__ = version_tuple = ...' line.\n"
             "Fix: the base wheel's version file changed format; update "
-            "write_version in tools/overlay_repack.py"
+            "write_version in tools/pack.py"
         )
     new_tuple = (*ast.literal_eval(tuple_lines[0][1]), pins.local_label)
     text = _VERSION_LINE.sub(lambda m: f"{m.group(1)}{pins.version!r}", text)

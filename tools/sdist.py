@@ -1,25 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The sdist of the precompiled overlay: what a wheel build needs, nothing else.
+"""The sdist: what a wheel build needs, nothing else.
 
-Part of the precompiled_overlay build backend (tools/ is its backend-path).
 Frontends such as ``python -m build`` and ``uv build`` build an sdist first
 and then a wheel from it, so the sdist carries the tree's ``vllm/`` files,
-``pyproject.toml`` (the pins) and this backend; the wheel build fetches the
-base wheel exactly as a build from the repository does. Entries are sorted
-and carry fixed owners, modes and ``SOURCE_DATE_EPOCH`` times, so one tree
-always gives the same bytes.
+``pyproject.toml`` (the pins) and this build tool; the wheel build fetches
+the base wheel exactly as a build from the repository does. Entries are
+sorted and carry fixed owners, modes and ``SOURCE_DATE_EPOCH`` times, so one
+tree always gives the same bytes.
 """
 
 import gzip
 import io
-import os
 import stat
 import tarfile
-import tempfile
 from pathlib import Path
 
-import precompiled_overlay as ovl
+from .check import collect_overlay
+from .pack import backend_modules
+from .pins import REPO_ROOT, Pins, load_pins, supported_python
+from .util import source_date_epoch, stage, write_atomic
 
 # Metadata that only the base wheel knows; PEP 643 says to mark it dynamic.
 DYNAMIC_FIELDS = (
@@ -38,37 +38,22 @@ DYNAMIC_FIELDS = (
 TOP_FILES = ("pyproject.toml", "README.md")
 
 
-def sdist_files(root: Path, pins: "ovl.Pins") -> list[Path]:
+def sdist_files(root: Path, pins: Pins) -> list[Path]:
     """The tree's files an sdist holds, relative to ``root``, sorted."""
     files = [Path(name) for name in TOP_FILES if (root / name).is_file()]
-    files += [path.relative_to(root) for path in ovl.backend_modules()]
-    files += ovl.collect_overlay(root / pins.name)
+    files += [path.relative_to(root) for path in backend_modules()]
+    files += collect_overlay(root / pins.name)
     return sorted(files, key=lambda rel: rel.as_posix())
 
 
-def pkg_info(pins: "ovl.Pins", pyproject: Path) -> bytes:
+def pkg_info(pins: Pins, pyproject: Path) -> bytes:
     """Core metadata for the sdist; what comes from upstream is dynamic."""
-    lines = [
-        "Metadata-Version: 2.4",
-        f"Name: {pins.name}",
-        f"Version: {pins.version}",
-    ]
-    requires_python = ovl.supported_python(pyproject)
+    lines = ["Metadata-Version: 2.4", f"Name: {pins.name}", f"Version: {pins.version}"]
+    requires_python = supported_python(pyproject)
     if requires_python:
         lines.append(f"Requires-Python: {requires_python}")
     lines += [f"Dynamic: {field}" for field in DYNAMIC_FIELDS]
     return ("\n".join(lines) + "\n").encode()
-
-
-def _epoch() -> int:
-    """``$SOURCE_DATE_EPOCH``, else 0: the tree holds no trustworthy time."""
-    given = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
-    if given and not given.isdigit():
-        raise ovl.OverlayError(
-            f"SOURCE_DATE_EPOCH={given!r} is not a whole number of seconds.\n"
-            "Fix: unset it, or set it to e.g. $(git log -1 --format=%ct)"
-        )
-    return int(given or 0)
 
 
 def _member(name: str, size: int, executable: bool, epoch: int) -> tarfile.TarInfo:
@@ -81,14 +66,13 @@ def _member(name: str, size: int, executable: bool, epoch: int) -> tarfile.TarIn
     return info
 
 
-def build_sdist(sdist_directory: Path, root: Path | None = None) -> str:
+def build_sdist(sdist_directory: Path, root: Path = REPO_ROOT) -> str:
     """Write ``vllm-<version>.tar.gz`` into ``sdist_directory``; return its name."""
-    root = root or ovl.REPO_ROOT
-    pins = ovl.load_pins(root / "pyproject.toml")
+    pins = load_pins(root / "pyproject.toml")
     top = f"{pins.name}-{pins.version}"
     name = f"{top}.tar.gz"
-    epoch = _epoch()
-    with ovl.stage(f"wrote {name}"):
+    epoch = source_date_epoch() or 0  # the tree holds no trustworthy time
+    with stage(f"wrote {name}"):
         raw = io.BytesIO()
         # GzipFile with an empty name and fixed mtime: no build path or
         # build time in the header.
@@ -97,20 +81,13 @@ def build_sdist(sdist_directory: Path, root: Path | None = None) -> str:
             tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
         ):
             meta = pkg_info(pins, root / "pyproject.toml")
-            info = _member(f"{top}/PKG-INFO", len(meta), False, epoch)
-            tar.addfile(info, io.BytesIO(meta))
+            tar.addfile(
+                _member(f"{top}/PKG-INFO", len(meta), False, epoch), io.BytesIO(meta)
+            )
             for rel in sdist_files(root, pins):
                 data = (root / rel).read_bytes()
                 executable = bool((root / rel).stat().st_mode & stat.S_IXUSR)
                 info = _member(f"{top}/{rel.as_posix()}", len(data), executable, epoch)
                 tar.addfile(info, io.BytesIO(data))
-        fd, tmp = tempfile.mkstemp(dir=sdist_directory, prefix=".sdist-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(raw.getvalue())
-            os.chmod(tmp, 0o644)  # mkstemp's 0600 is not what a dist/ file has
-            os.replace(tmp, sdist_directory / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(sdist_directory / name, raw.getvalue(), mode=0o644)
     return name
