@@ -41,6 +41,16 @@ def offline_pip(
 
 
 @pytest.fixture
+def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The only place pip may fetch wheels from: a local folder."""
+    folder = tmp_path / "index"
+    folder.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(folder))
+    return folder
+
+
+@pytest.fixture
 def out_dir(tmp_path: Path) -> Path:
     """The wheel_directory a frontend would pass to build_wheel."""
     path = tmp_path / "out"

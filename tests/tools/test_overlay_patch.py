@@ -21,7 +21,6 @@ from test_precompiled_overlay import (
     PATCHED,
     copy_tools,
     make_wheel,
-    pip_sees_only,
     read_member,
 )
 
@@ -41,15 +40,6 @@ NEW_VERSION = "0.34.0"
 def sha(text: str | bytes) -> str:
     data = text.encode() if isinstance(text, str) else text
     return hashlib.sha256(data).hexdigest()
-
-
-@pytest.fixture
-def index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The only place pip may fetch wheels from."""
-    folder = tmp_path / "index"
-    folder.mkdir()
-    pip_sees_only(monkeypatch, folder)
-    return folder
 
 
 def release(
