@@ -37,7 +37,7 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
         hidden: Iterable[str] = (),
         why_hidden: str = "",
     ):
-        self.root = Path(root)
+        self.root = Path(root).resolve()
         self.package = package
         self.hidden = frozenset(hidden)
         self.why_hidden = why_hidden
@@ -58,19 +58,39 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
                 f"No module named {fullname!r} ({self.why_hidden})", name=fullname
             )
         parts = fullname.split(".")
+        # A name is only ever a dotted path of identifiers: "vllm./tmp/x"
+        # must not become a file name outside the tree.
+        if not all(p.isidentifier() for p in parts):
+            return None
         folder = self.root.joinpath(*parts[:-1])
         module = folder / f"{parts[-1]}.py"
         if module.is_file():
-            return importlib.util.spec_from_file_location(fullname, module)
+            return importlib.util.spec_from_file_location(
+                fullname, self._inside(module)
+            )
         package_dir = folder / parts[-1]
         init = package_dir / "__init__.py"
         if init.is_file():
             # Submodules the tree lacks must still come from the wheel.
             search = [str(package_dir)] + _installed_dirs(parts[-1], path, package_dir)
             return importlib.util.spec_from_file_location(
-                fullname, init, submodule_search_locations=search
+                fullname, self._inside(init), submodule_search_locations=search
             )
         return None
+
+    def _inside(self, path: Path) -> Path:
+        """``path``, unless it resolves out of the tree.
+
+        A symlink under ``vllm/`` must not make the hook run a file the
+        checkout does not hold.
+        """
+        real = path.resolve()
+        if not real.is_relative_to(self.root):
+            raise ImportError(
+                f"{path} resolves to {real}, outside {self.root}; the vllm "
+                "import hook only loads files inside the checkout"
+            )
+        return path
 
 
 def _installed_dirs(name: str, parent_path: Sequence[str] | None, own: Path) -> list:

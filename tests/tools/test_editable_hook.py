@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The editable install's import hook (tools/finder.py), run as users run it.
+
+Each test makes a tiny synthetic base wheel, installs a scratch project with
+``pip install -e`` into a scratch venv, and probes it from fresh interpreters.
+The hook runs in every process of that venv, so it must be safe and cheap.
+"""
+
+from pathlib import Path
+
+from test_install_modes import _run, editable_install
+from test_precompiled_overlay import PATCHED, _scratch_project, make_wheel
+
+IMPORT_EACH = (
+    "import importlib, sys\n"
+    "for name in sys.argv[1:]:\n"
+    "    try:\n"
+    "        print(importlib.import_module(name).__file__)\n"
+    "    except ImportError as e:\n"
+    "        print('refused:', e)\n"
+)
+
+
+def _module(rel: str | Path) -> str:
+    """The import name of the file ``rel`` (``vllm/a/b.py``)."""
+    return ".".join(Path(rel).with_suffix("").parts)
+
+
+def _import_each(python: Path, *names: str) -> list[str]:
+    """Import ``names`` in a fresh interpreter: each one's file, or its error."""
+    proc = _run([str(python), "-c", IMPORT_EACH, *names])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_only_dotted_names_inside_the_checkout_load(tmp_path: Path) -> None:
+    base = make_wheel(tmp_path)
+    project = _scratch_project(tmp_path, base)
+    python = editable_install(tmp_path, project, base)
+    outside = tmp_path / "outside.py"
+    outside.write_text("print('ran a file outside the checkout')\n")
+    escape = project / PATCHED.parent / "escape.py"
+    escape.symlink_to(outside)
+
+    shaped_like_a_path = f"vllm.{outside.with_suffix('')}"
+    lines = _import_each(
+        python, shaped_like_a_path, _module(escape.relative_to(project))
+    )
+    assert lines[0] == f"refused: No module named {shaped_like_a_path!r}"
+    assert lines[1].startswith(f"refused: {escape} resolves to {outside}")
+    assert len(lines) == 2, lines  # nothing printed by the file outside
+    assert _import_each(python, _module(PATCHED)) == [str(project / PATCHED)]
