@@ -36,6 +36,7 @@ from email.parser import BytesParser
 from pathlib import Path
 
 import precompiled_overlay as ovl
+from finder import pth_line
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.utils import parse_wheel_filename
 from wheel.wheelfile import WheelFile
@@ -343,10 +344,7 @@ def _make_editable(tree: Path, source_root: Path, files: list[Path]) -> set[str]
     shutil.copyfile(FINDER_SOURCE, finder)
     finder.chmod(0o644)
     pth = tree / EDITABLE_PTH
-    pth.write_text(
-        f"import {EDITABLE_FINDER}; "
-        f"{EDITABLE_FINDER}.install({str(source_root.resolve())!r})\n"
-    )
+    pth.write_text(pth_line(EDITABLE_FINDER, source_root.resolve()))
     pth.chmod(0o644)
     ovl.log(
         f"editable: vllm modules under {source_root} load from there; edit "

@@ -9,9 +9,19 @@ The hook runs in every process of that venv, so it must be safe and cheap.
 
 from pathlib import Path
 
-from test_install_modes import _run, editable_install
+import overlay_repack
+from test_install_modes import (
+    _run,
+    editable_install,
+    site_packages,
+)
 from test_precompiled_overlay import PATCHED, _scratch_project, make_wheel
 
+# Added modules: one beside the replaced file, one in a folder upstream lacks.
+ADDED = {
+    "vllm/distributed/device_communicators/beside.py": "WHERE = 'beside'\n",
+    "vllm/hisparse_new/policy.py": "WHERE = 'new folder'\n",
+}
 IMPORT_EACH = (
     "import importlib, sys\n"
     "for name in sys.argv[1:]:\n"
@@ -51,3 +61,38 @@ def test_only_dotted_names_inside_the_checkout_load(tmp_path: Path) -> None:
     assert lines[1].startswith(f"refused: {escape} resolves to {outside}")
     assert len(lines) == 2, lines  # nothing printed by the file outside
     assert _import_each(python, _module(PATCHED)) == [str(project / PATCHED)]
+
+
+def test_pth_adds_at_most_five_modules_to_startup(tmp_path: Path) -> None:
+    base = make_wheel(tmp_path)
+    python = editable_install(tmp_path, _scratch_project(tmp_path, base), base)
+    pth = site_packages(python) / overlay_repack.EDITABLE_PTH
+
+    def loaded() -> set[str]:
+        proc = _run([str(python), "-c", "import sys; print(*sys.modules)"])
+        assert proc.returncode == 0, proc.stderr
+        return set(proc.stdout.split())
+
+    with_hook = loaded()
+    pth.rename(pth.with_suffix(".off"))
+    added = sorted(with_hook - loaded())
+    assert overlay_repack.EDITABLE_FINDER in added
+    assert len(added) <= 5, added
+
+
+def test_moved_checkout_is_named_when_an_overlaid_module_is_imported(
+    tmp_path: Path,
+) -> None:
+    base = make_wheel(tmp_path)
+    project = _scratch_project(tmp_path, base, adds=ADDED)
+    python = editable_install(tmp_path, project, base)
+    project.rename(tmp_path / "moved")
+
+    for rel in [PATCHED, *ADDED]:
+        proc = _run([str(python), "-c", f"import {_module(rel)}"])
+        assert proc.returncode == 1
+        last = proc.stderr.splitlines()[-1]
+        assert f"{project}, which is gone" in last, proc.stderr
+        assert "pip install -e ." in last and "pip install ." in last
+    # What the wheel itself holds still imports.
+    assert _import_each(python, "vllm._version")[0].startswith(str(tmp_path / "venv"))

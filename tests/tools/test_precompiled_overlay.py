@@ -429,13 +429,21 @@ def test_hook_error_is_a_short_message(capsys: pytest.CaptureFixture) -> None:
     assert capsys.readouterr().err == "error: base wheel is bad.\nFix: do the thing\n"
 
 
-def _scratch_project(tmp_path: Path, base: Path) -> Path:
-    """A repo copy whose pins trust ``base``, to drive the backend through pip."""
+def _scratch_project(
+    tmp_path: Path, base: Path, adds: Mapping[str, str] | None = None
+) -> Path:
+    """A repo copy whose pins trust ``base``, to drive the backend through pip.
+
+    ``adds`` maps the paths of added modules to their contents.
+    """
     project = tmp_path / "project"
     (project / "tools").mkdir(parents=True)
     for module in ovl.backend_modules():
         shutil.copy(module, project / "tools")
     shutil.copytree(make_overlay(tmp_path), project / "vllm")
+    for rel, text in (adds or {}).items():
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text(text)
     (project / "pyproject.toml").write_text(
         "[build-system]\n"
         "requires = ['wheel>=0.48.0', 'packaging>=24.0']\n"
@@ -443,7 +451,8 @@ def _scratch_project(tmp_path: Path, base: Path) -> Path:
         "backend-path = ['tools']\n\n"
         "[tool.vllm-overlay]\n"
         "base-version = '0.33.0'\n"
-        "local-label = 'hisparse1'\n\n"
+        "local-label = 'hisparse1'\n"
+        f"adds = {sorted(adds or {})!r}\n\n"
         "[tool.vllm-overlay.sha256]\n"
         f"'{base.name}' = '{ovl.sha256_of(base)}'\n\n"
         "[tool.vllm-overlay.replaces]\n"
