@@ -71,7 +71,7 @@ class OverlayFinder:
             return spec_from_file_location(
                 fullname, self._inside(init), submodule_search_locations=search
             )
-        return self._not_in_tree(fullname, path)
+        return self._not_in_tree(fullname, path, base)
 
     def _inside(self, path: str) -> str:
         """``path``, unless it resolves out of the tree.
@@ -87,13 +87,24 @@ class OverlayFinder:
             )
         return path
 
-    def _not_in_tree(self, fullname: str, path: list[str] | None) -> ModuleSpec | None:
-        """The installed module, else why there is none.
+    def _not_in_tree(
+        self, fullname: str, path: list[str] | None, base: str
+    ) -> ModuleSpec | None:
+        """The installed module, else the tree's folder, else why there is none.
 
-        A module nobody has while the checkout is gone is most likely one of
-        ours: say so, instead of a bare "No module named".
+        A folder the tree adds without an ``__init__.py`` is a namespace
+        package in the built wheel, so it is one here too. A module nobody
+        has while the checkout is gone is most likely one of ours: say so,
+        instead of a bare "No module named".
         """
         spec = PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            return spec
+        if os.path.isdir(base):
+            spec = spec or ModuleSpec(fullname, None, is_package=True)
+            tail = spec.submodule_search_locations or ()
+            spec.submodule_search_locations = [self._inside(base), *tail]
+            return spec
         if spec is None and not os.path.isdir(os.path.join(self.root, self.package)):
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: the editable vllm install loads "

@@ -13,6 +13,8 @@ import overlay_repack
 from test_install_modes import (
     _run,
     editable_install,
+    pip_install,
+    scratch_venv,
     site_packages,
 )
 from test_precompiled_overlay import PATCHED, _scratch_project, make_wheel
@@ -42,6 +44,27 @@ def _import_each(python: Path, *names: str) -> list[str]:
     proc = _run([str(python), "-c", IMPORT_EACH, *names])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.splitlines()
+
+
+def test_declared_modules_are_the_same_from_wheel_and_editable(
+    tmp_path: Path,
+) -> None:
+    base = make_wheel(tmp_path)
+    project = _scratch_project(tmp_path, base, adds=ADDED)
+    python = scratch_venv(tmp_path)
+    declared = [PATCHED.as_posix(), *ADDED]
+    names = [_module(rel) for rel in declared]
+
+    pip_install(python, str(project), base=base)
+    from_wheel = _import_each(python, *names)
+    site = site_packages(python)
+    assert from_wheel == [str(site / rel) for rel in declared]
+    shipped = [Path(file).read_bytes() for file in from_wheel]
+
+    pip_install(python, "-e", str(project), base=base)
+    from_tree = _import_each(python, *names)
+    assert from_tree == [str(project / rel) for rel in declared]
+    assert [Path(file).read_bytes() for file in from_tree] == shipped
 
 
 def test_only_dotted_names_inside_the_checkout_load(tmp_path: Path) -> None:
