@@ -8,20 +8,21 @@ file, and the test suite (``tests/overlay.py``) installs it in-process.
 
 Lookups are done on each import, not from a list made at install time, so a
 module added to the tree later (e.g. a new helper beside a replaced file) is
-found without reinstalling, just as an edited one is. Only the standard
-library is used: this runs at interpreter start-up in every vLLM process.
+found without reinstalling, just as an edited one is.
+
+This runs at start-up in every process of the environment, so it imports
+nothing that start-up has not loaded already: the import system's own
+frozen modules and ``os``, no ``importlib.util``, ``pathlib`` or ``typing``
+(which is also why the annotations use builtins only).
 """
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from _frozen_importlib import ModuleSpec
+from _frozen_importlib_external import PathFinder, spec_from_file_location
 
 
-class OverlayFinder(importlib.abc.MetaPathFinder):
+class OverlayFinder:
     """Serve ``package`` modules found under ``root`` before anything else.
 
     ``root`` mirrors the wheel layout (``root/vllm/a/b.py`` is ``vllm.a.b``).
@@ -34,51 +35,92 @@ class OverlayFinder(importlib.abc.MetaPathFinder):
         self,
         root: str | os.PathLike[str],
         package: str = "vllm",
-        hidden: Iterable[str] = (),
+        hidden: tuple[str, ...] | list[str] = (),
         why_hidden: str = "",
     ):
-        self.root = Path(root)
+        self.root = os.path.realpath(root)
         self.package = package
         self.hidden = frozenset(hidden)
         self.why_hidden = why_hidden
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({str(self.root)!r}, {self.package!r})"
+        return f"{type(self).__name__}({self.root!r}, {self.package!r})"
 
     def find_spec(
         self,
         fullname: str,
-        path: Sequence[str] | None = None,
+        path: list[str] | None = None,
         target: object = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.package and not fullname.startswith(self.package + "."):
+    ) -> ModuleSpec | None:
+        parts = fullname.split(".")
+        # A name is only ever a dotted path of identifiers: the "/tmp/x" of
+        # "vllm./tmp/x" must not become a file name outside the tree.
+        if parts[0] != self.package or not all(p.isidentifier() for p in parts):
             return None
         if fullname in self.hidden:
             raise ModuleNotFoundError(
                 f"No module named {fullname!r} ({self.why_hidden})", name=fullname
             )
-        parts = fullname.split(".")
-        folder = self.root.joinpath(*parts[:-1])
-        module = folder / f"{parts[-1]}.py"
-        if module.is_file():
-            return importlib.util.spec_from_file_location(fullname, module)
-        package_dir = folder / parts[-1]
-        init = package_dir / "__init__.py"
-        if init.is_file():
+        base = os.path.join(self.root, *parts)
+        if os.path.isfile(base + ".py"):
+            return spec_from_file_location(fullname, self._inside(base + ".py"))
+        init = os.path.join(base, "__init__.py")
+        if os.path.isfile(init):
             # Submodules the tree lacks must still come from the wheel.
-            search = [str(package_dir)] + _installed_dirs(parts[-1], path, package_dir)
-            return importlib.util.spec_from_file_location(
-                fullname, init, submodule_search_locations=search
+            search = [base, *_installed_dirs(parts[-1], path, base)]
+            return spec_from_file_location(
+                fullname, self._inside(init), submodule_search_locations=search
             )
-        return None
+        return self._not_in_tree(fullname, path, base)
+
+    def _inside(self, path: str) -> str:
+        """``path``, unless it resolves out of the tree.
+
+        A symlink under ``vllm/`` must not make the hook run a file the
+        checkout does not hold.
+        """
+        real = os.path.realpath(path)
+        if not real.startswith(self.root + os.sep):
+            raise ImportError(
+                f"{path} resolves to {real}, outside {self.root}; the vllm "
+                "import hook only loads files inside the checkout"
+            )
+        return path
+
+    def _not_in_tree(
+        self, fullname: str, path: list[str] | None, base: str
+    ) -> ModuleSpec | None:
+        """The installed module, else the tree's folder, else why there is none.
+
+        A folder the tree adds without an ``__init__.py`` is a namespace
+        package in the built wheel, so it is one here too. A module nobody
+        has while the checkout is gone is most likely one of ours: say so,
+        instead of a bare "No module named".
+        """
+        spec = PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            return spec
+        if os.path.isdir(base):
+            spec = spec or ModuleSpec(fullname, None, is_package=True)
+            tail = spec.submodule_search_locations or ()
+            spec.submodule_search_locations = [self._inside(base), *tail]
+            return spec
+        if spec is None and not os.path.isdir(os.path.join(self.root, self.package)):
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r}: the editable vllm install loads "
+                f"it from {self.root}, which is gone; run `pip install -e .` "
+                "from the checkout's new place, or `pip install .`",
+                name=fullname,
+            )
+        return spec
 
 
-def _installed_dirs(name: str, parent_path: Sequence[str] | None, own: Path) -> list:
+def _installed_dirs(name: str, parent_path: list[str] | None, own: str) -> list:
     """The installed copies of a package folder the tree also has."""
     found = []
     for entry in parent_path if parent_path is not None else sys.path:
         candidate = os.path.join(entry or ".", name)
-        if os.path.isdir(candidate) and Path(candidate) != own:
+        if os.path.isdir(candidate) and os.path.realpath(candidate) != own:
             found.append(candidate)
     return found
 
@@ -86,7 +128,7 @@ def _installed_dirs(name: str, parent_path: Sequence[str] | None, own: Path) -> 
 def install(
     root: str | os.PathLike[str],
     package: str = "vllm",
-    hidden: Iterable[str] = (),
+    hidden: tuple[str, ...] | list[str] = (),
     why_hidden: str = "",
 ) -> OverlayFinder:
     """Put a finder for ``root`` first on ``sys.meta_path`` and return it.
@@ -104,5 +146,10 @@ def install(
             and f.package == finder.package
         )
     ]
-    sys.meta_path.insert(0, finder)
+    sys.meta_path.insert(0, finder)  # type: ignore[arg-type]  # list, not Sequence
     return finder
+
+
+def pth_line(module: str, root: str | os.PathLike[str]) -> str:
+    """The ``.pth`` line that starts this file, installed as ``module``."""
+    return f"import {module}; {module}.install({os.fspath(root)!r})\n"

@@ -13,6 +13,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from .finder import pth_line
 from .util import log
 
 FINDER_SOURCE = Path(__file__).with_name("finder.py")
@@ -53,10 +54,7 @@ def apply_editable(tree: Path, source_root: Path, files: list[Path]) -> set[str]
     shutil.copyfile(FINDER_SOURCE, finder)
     finder.chmod(0o644)
     pth = tree / EDITABLE_PTH
-    pth.write_text(
-        f"import {EDITABLE_FINDER}; "
-        f"{EDITABLE_FINDER}.install({str(source_root.resolve())!r})\n"
-    )
+    pth.write_text(pth_line(EDITABLE_FINDER, source_root.resolve()))
     pth.chmod(0o644)
     log(
         f"editable: vllm modules under {source_root} load from there; edit "

@@ -55,6 +55,45 @@ def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     )
 
 
+def scratch_venv(where: Path) -> Path:
+    """A venv that sees no vllm but its own; return its python.
+
+    It has no pip (the outer pip installs into it with ``--python``) and no
+    system site-packages: the backend's own needs are lent to it from the
+    environment under test through a ``.pth`` file, as a build environment
+    would install them, never from the base interpreter, which may lack them.
+    """
+    env_dir = where / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    lent = where / "lent"
+    lent.mkdir()
+    for package in (packaging, wheel):
+        (lent / package.__name__).symlink_to(Path(package.__file__).parent)
+    (site_packages(python) / "_lent.pth").write_text(f"{lent}\n")
+    return python
+
+
+def site_packages(python: Path) -> Path:
+    """The site-packages folder of the venv whose interpreter is ``python``."""
+    return next(python.parents[1].glob("lib/python*/site-packages"))
+
+
+def pip_install(python: Path, *args: str, base: Path) -> None:
+    """``pip install ARGS`` into ``python``'s venv, with ``base`` as the base wheel."""
+    env = {**os.environ, LOCATION_ENV: str(base)}
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install"]
+    proc = _run([*cmd, "--no-deps", "--no-build-isolation", *args], env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def editable_install(where: Path, project: Path, base: Path) -> Path:
+    """``pip install -e project`` into a fresh scratch venv; return its python."""
+    python = scratch_venv(where)
+    pip_install(python, "-e", str(project), base=base)
+    return python
+
+
 def test_built_wheel_reports_the_local_version(tmp_path: Path, out_dir: Path) -> None:
     base = upstream_like(tmp_path)
     written: list[str] = []
@@ -276,16 +315,7 @@ def test_python_m_build_round_trip(tmp_path: Path) -> None:
 def test_editable_install_imports_the_working_tree(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
     project = _scratch_project(tmp_path, base)
-    env_dir = tmp_path / "venv"
-    # The outer pip installs into it (--python), so no pip is needed inside.
-    venv.create(env_dir, system_site_packages=True, with_pip=False)
-    python = env_dir / "bin" / "python"
-    env = {**os.environ, LOCATION_ENV: str(base)}
-    install = [sys.executable, "-m", "pip", "--python", str(python), "install"]
-    proc = _run(
-        [*install, "--no-deps", "--no-build-isolation", "-e", str(project)], env=env
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    python = editable_install(tmp_path, project, base)
 
     module = ".".join(PATCHED.with_suffix("").parts)
     probe = (
@@ -315,7 +345,7 @@ def test_editable_install_imports_the_working_tree(tmp_path: Path) -> None:
     assert proc.stdout.strip() == "7", proc.stderr
 
     # The installed tree does not hold a stale copy of the replaced file.
-    site = next(env_dir.glob("lib/python*/site-packages"))
+    site = site_packages(python)
     assert not (site / PATCHED).exists()
     assert (site / "vllm" / "__init__.py").is_file()
 
@@ -349,21 +379,12 @@ def test_no_deps_install_patches_an_existing_vllm_and_can_go_back(
 ) -> None:
     base = make_wheel(tmp_path)
     project = _scratch_project(tmp_path, base)
-    env_dir = tmp_path / "venv"
-    venv.create(env_dir, system_site_packages=False, with_pip=False)
-    python = str(env_dir / "bin" / "python")
-    # The venv sees no other vllm; the backend's own needs are lent to it,
-    # as a build environment would install them.
-    lent = tmp_path / "lent"
-    lent.mkdir()
-    for package in (packaging, wheel):
-        (lent / package.__name__).symlink_to(Path(package.__file__).parent)
+    python = str(scratch_venv(tmp_path))
     env = {
         **os.environ,
         LOCATION_ENV: str(base),
         "PIP_NO_INDEX": "1",
         "PIP_FIND_LINKS": str(base.parent),
-        "PYTHONPATH": str(lent),
     }
     pip = [sys.executable, "-m", "pip", "--python", python, "install"]
     module = ".".join(PATCHED.with_suffix("").parts)

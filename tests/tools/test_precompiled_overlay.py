@@ -439,11 +439,19 @@ def copy_tools(project: Path) -> None:
     )
 
 
-def _scratch_project(tmp_path: Path, base: Path) -> Path:
-    """A repo copy whose pins trust ``base``, to drive the backend through pip."""
+def _scratch_project(
+    tmp_path: Path, base: Path, adds: Mapping[str, str] | None = None
+) -> Path:
+    """A repo copy whose pins trust ``base``, to drive the backend through pip.
+
+    ``adds`` maps the paths of added modules to their contents.
+    """
     project = tmp_path / "project"
     copy_tools(project)
     shutil.copytree(make_overlay(tmp_path), project / "vllm")
+    for rel, text in (adds or {}).items():
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text(text)
     (project / "pyproject.toml").write_text(
         "[build-system]\n"
         "requires = ['wheel>=0.48.0', 'packaging>=24.0']\n"
@@ -451,7 +459,8 @@ def _scratch_project(tmp_path: Path, base: Path) -> Path:
         "backend-path = ['.']\n\n"
         "[tool.vllm-overlay]\n"
         "base-version = '0.33.0'\n"
-        "local-label = 'hisparse1'\n\n"
+        "local-label = 'hisparse1'\n"
+        f"adds = {sorted(adds or {})!r}\n\n"
         "[tool.vllm-overlay.sha256]\n"
         f"'{base.name}' = '{util.sha256_of(base)}'\n\n"
         "[tool.vllm-overlay.replaces]\n"
