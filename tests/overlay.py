@@ -17,6 +17,8 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
-from tools import fetch, pins  # noqa: E402
+from tools import fetch, pins, util  # noqa: E402
 from tools import finder as overlay_finder  # noqa: E402
 
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
@@ -87,7 +89,23 @@ def stock_root() -> Path:
     loaded = pins.load_pins()
     base = fetch.fetch_base_wheel(loaded)
     dest = fetch.default_cache_dir() / "stock-files" / base.name.removesuffix(".whl")
-    return fetch.extract_base_files(loaded.replaces, dest, base)
+    return extract_base_files(loaded.replaces, dest, base)
+
+
+def extract_base_files(files: Iterable[str], dest: Path, base_wheel: Path) -> Path:
+    """Copy upstream's originals of ``files`` (``vllm/...``) out of the base wheel.
+
+    Each file lands by atomic rename, so concurrent test workers never see
+    half a file. Returns ``dest``, which mirrors the wheel's layout.
+    """
+    with zipfile.ZipFile(base_wheel) as zf:
+        missing = sorted(set(files) - set(zf.namelist()))
+        if missing:
+            raise util.OverlayError(f"not in {base_wheel.name}: {', '.join(missing)}")
+        for member in files:
+            (dest / member).parent.mkdir(parents=True, exist_ok=True)
+            util.write_atomic(dest / member, zf.read(member))
+    return dest
 
 
 def install(source: str | None = None) -> dict[str, Path]:

@@ -130,7 +130,7 @@ def test_diff_applied_to_upstream_gives_back_our_files(tmp_path):
     pins = load_pins()
     proc = overlay.run_tool(overlay.REPO_ROOT, "diff", timeout=300)
     assert proc.returncode == 0, proc.stderr
-    source = fetch.extract_base_files(
+    source = overlay.extract_base_files(
         pins.replaces, tmp_path / "upstream", fetch.fetch_base_wheel(pins)
     )
     (tmp_path / "overlay.diff").write_text(proc.stdout)

@@ -14,10 +14,11 @@ import re
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as installed_version
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from packaging.tags import Tag, sys_tags
@@ -33,7 +34,6 @@ from .util import (
     scratch_folder,
     sha256_of,
     stage,
-    write_atomic,
 )
 
 _NETWORK_TROUBLE = re.compile(r"connect|retrying|could not fetch|ssl|proxy", re.I)
@@ -284,29 +284,28 @@ def _error_lines(lines: list[str]) -> list[str]:
     return found
 
 
-def _download_into_cache(target: str, cache_dir: Path, pins: Pins, wanted: str) -> Path:
+def _download_into_cache(
+    target: str, cache_dir: Path, verify: Callable[[Path], None], **pip: Any
+) -> Path:
     """Download, verify, then rename into the cache: never a half file there."""
-    choices = wanted if wanted in pins.sha256 else pins.pinned_files()
     with scratch_folder(cache_dir, ".download-") as tmp:
-        fetched = _pip_download(
-            target,
-            Path(tmp),
-            what=f"the base wheel {pins.requirement}",
-            fix=f", or set {LOCATION_ENV} to a local copy of {choices}",
-        )
-        verify_base_wheel(
-            fetched,
-            pins,
-            fix="nothing was cached. Either the index served another file "
-            "than the pinned upstream release (check pip's index settings), "
-            f"or the pin in pyproject.toml is wrong; or set {LOCATION_ENV} to "
-            f"an intact copy of {fetched.name}",
-            shown=f"{fetched.name}, as downloaded from {target}",
-        )
-        final = cache_dir / fetched.name
-        os.replace(fetched, final)
-    log(f"cached verified base wheel {final}")
-    return final
+        fetched = _pip_download(target, Path(tmp), **pip)
+        verify(fetched)
+        os.replace(fetched, cache_dir / fetched.name)
+    log(f"cached verified {fetched.name}")
+    return cache_dir / fetched.name
+
+
+def _verify_download(pins: Pins, target: str) -> Callable[[Path], None]:
+    return lambda fetched: verify_base_wheel(
+        fetched,
+        pins,
+        fix="nothing was cached. Either the index served another file "
+        "than the pinned upstream release (check pip's index settings), "
+        f"or the pin in pyproject.toml is wrong; or set {LOCATION_ENV} to "
+        f"an intact copy of {fetched.name}",
+        shown=f"{fetched.name}, as downloaded from {target}",
+    )
 
 
 def fetch_base_wheel(
@@ -362,23 +361,14 @@ def fetch_base_wheel(
                 f"already holds the verified {wanted}"
             )
         return cache_dir / wanted
-    return _download_into_cache(target, cache_dir, pins, wanted)
-
-
-def extract_base_files(files: Iterable[str], dest: Path, base_wheel: Path) -> Path:
-    """Copy upstream's originals of ``files`` (``vllm/...``) out of the base wheel.
-
-    Tests run against stock vLLM with these. Each file lands by atomic
-    rename, so concurrent test workers never see half a file.
-    """
-    with zipfile.ZipFile(base_wheel) as zf:
-        missing = sorted(set(files) - set(zf.namelist()))
-        if missing:
-            raise OverlayError(f"not in {base_wheel.name}: {', '.join(missing)}")
-        for member in files:
-            (dest / member).parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(dest / member, zf.read(member))
-    return dest
+    choices = wanted if wanted in pins.sha256 else pins.pinned_files()
+    return _download_into_cache(
+        target,
+        cache_dir,
+        _verify_download(pins, target),
+        what=f"the base wheel {pins.requirement}",
+        fix=f", or set {LOCATION_ENV} to a local copy of {choices}",
+    )
 
 
 def fetch_release(pins: Pins, version: str, cache_dir: Path) -> dict[str, Path]:
@@ -399,20 +389,23 @@ def fetch_release(pins: Pins, version: str, cache_dir: Path) -> dict[str, Path]:
             wheels[guess.name] = guess
             continue
         platforms = [] if tags[2] == "any" else tags[2].split(".")
-        with scratch_folder(cache_dir, ".download-") as tmp:
-            fetched = _pip_download(
-                f"{pins.name}=={version}",
-                Path(tmp),
-                platforms,
-                fix=", and check the version; nothing was changed",
-            )
-            pinned_digest = pins.sha256.get(fetched.name)
-            if pinned_digest not in (None, sha256_of(fetched)):
-                raise OverlayError(
-                    f"pip fetched {fetched.name} with sha256 {sha256_of(fetched)}, "
-                    f"but pyproject.toml pins {pinned_digest}; check pip's index. "
-                    "Nothing was changed"
-                )
-            os.replace(fetched, cache_dir / fetched.name)
-        wheels[fetched.name] = cache_dir / fetched.name
+        wheel = _download_into_cache(
+            f"{pins.name}=={version}",
+            cache_dir,
+            lambda fetched: _refuse_unpinned(pins, fetched),
+            platforms=platforms,
+            fix=", and check the version; nothing was changed",
+        )
+        wheels[wheel.name] = wheel
     return wheels
+
+
+def _refuse_unpinned(pins: Pins, fetched: Path) -> None:
+    """A new release's download is trusted, unless it contradicts a pin."""
+    pinned = pins.sha256.get(fetched.name)
+    if pinned not in (None, sha256_of(fetched)):
+        raise OverlayError(
+            f"pip fetched {fetched.name} with sha256 {sha256_of(fetched)}, "
+            f"but pyproject.toml pins {pinned}; check pip's index. Nothing was "
+            "changed"
+        )

@@ -135,15 +135,8 @@ def _refuse(problems: list[str], what: str) -> None:
 
 def _refuse_uncommitted(root: Path, pins: Pins, version: str) -> None:
     """Start only where ``git stash`` or a commit can bring back every edit."""
-    status = _git(
-        root,
-        "status",
-        "--porcelain",
-        "--untracked-files=all",
-        "--",
-        pins.name,
-        "pyproject.toml",
-    )
+    paths = ("--", pins.name, "pyproject.toml")
+    status = _git(root, "status", "--porcelain", "--untracked-files=all", *paths)
     if status.strip():
         raise OverlayError(
             f"uncommitted changes under {pins.name}/ or in pyproject.toml:\n"
@@ -155,23 +148,20 @@ def _refuse_uncommitted(root: Path, pins: Pins, version: str) -> None:
         )
 
 
-def _git(root: Path, *args: str) -> str:
+def _git(root: Path, *args: str, conflicts_ok: bool = False) -> str:
+    """Run git; ``merge-file`` exits with its number of conflicts."""
     try:
         proc = subprocess.run(
-            ["git", *args],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=GIT_TIMEOUT_S,
+            ["git", *args], cwd=root, capture_output=True, timeout=GIT_TIMEOUT_S
         )
     except (OSError, subprocess.TimeoutExpired) as err:
-        raise OverlayError(f"rebase needs git: {err}") from None
-    if proc.returncode != 0:
+        raise OverlayError(f"rebase needs git (git {args[0]}): {err}") from None
+    if not (proc.returncode == 0 or conflicts_ok and 0 < proc.returncode < 128):
         raise OverlayError(
-            f"rebase needs a git checkout (git {args[0]} failed: "
-            f"{proc.stderr.strip()}).\nFix: run it in a clone of the repository"
+            f"git {args[0]} failed in {root}: {proc.stderr.decode(errors='replace')}"
+            "Fix: run the rebase in a git clone of the repository"
         )
-    return proc.stdout
+    return proc.stdout.decode(errors="surrogateescape")
 
 
 def _missing_upstream(
@@ -221,25 +211,15 @@ def merge_file(
 ) -> tuple[bytes, int]:
     """Three-way merge with git; returns the result and its number of conflicts."""
     with tempfile.TemporaryDirectory(prefix="vllm-overlay-merge-") as tmp:
-        paths = [Path(tmp, name) for name in ("ours", "old", "new")]
-        for path, data in zip(paths, (ours, old, new), strict=True):
-            path.write_bytes(data)
-        cmd = ["git", "merge-file", "-p", "--ours" if keep_ours else "--diff3"]
-        for label in labels:
-            cmd += ["-L", label]
-        try:
-            proc = subprocess.run(
-                cmd + [str(p) for p in paths],
-                capture_output=True,
-                timeout=GIT_TIMEOUT_S,
-            )
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise OverlayError(f"rebase needs git (git merge-file): {err}") from None
-    if not 0 <= proc.returncode <= 127:
-        raise OverlayError(
-            f"git merge-file failed: {proc.stderr.decode(errors='replace')}"
+        for name, data in zip(("ours", "old", "new"), (ours, old, new), strict=True):
+            Path(tmp, name).write_bytes(data)
+        flags = ["-p", "--ours" if keep_ours else "--diff3"]
+        flags += [arg for label in labels for arg in ("-L", label)]
+        out = _git(
+            Path(tmp), "merge-file", *flags, "ours", "old", "new", conflicts_ok=True
         )
-    return proc.stdout, proc.returncode
+    merged = out.encode(errors="surrogateescape")
+    return merged, len(re.findall(rb"^<{7} ", merged, re.M))
 
 
 def _labels(ours: bytes, pins: Pins, version: str) -> list[str]:

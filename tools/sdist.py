@@ -22,7 +22,7 @@ from .pins import REPO_ROOT, Pins, load_pins, supported_python
 from .util import source_date_epoch, stage, write_atomic
 
 # Metadata that only the base wheel knows; PEP 643 says to mark it dynamic.
-DYNAMIC_FIELDS = (
+DYNAMIC_FIELDS = [
     "Author",
     "Classifier",
     "Description",
@@ -33,7 +33,7 @@ DYNAMIC_FIELDS = (
     "Provides-Extra",
     "Requires-Dist",
     "Summary",
-)
+]
 # Files at the top of the tree that the sdist carries besides vllm/, tools/.
 TOP_FILES = ("pyproject.toml", "README.md")
 

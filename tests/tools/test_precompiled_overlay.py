@@ -17,6 +17,7 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
+import overlay
 import pytest
 from packaging.tags import Tag
 
@@ -268,11 +269,11 @@ def test_overlay_file_missing_from_base(tmp_path: Path, out_dir: Path) -> None:
 
 def test_extract_base_files_gives_stock_sources(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
-    folder = fetch.extract_base_files([PATCHED.as_posix()], tmp_path / "stock", base)
+    folder = overlay.extract_base_files([PATCHED.as_posix()], tmp_path / "stock", base)
     assert (folder / PATCHED).read_text() == STOCK_SOURCE
     assert [p.name for p in (folder / PATCHED).parent.iterdir()] == [PATCHED.name]
     with pytest.raises(util.OverlayError, match=r"vllm/brand_new\.py"):
-        fetch.extract_base_files(["vllm/brand_new.py"], tmp_path / "x", base)
+        overlay.extract_base_files(["vllm/brand_new.py"], tmp_path / "x", base)
 
 
 def test_empty_overlay_is_refused(tmp_path: Path) -> None:
