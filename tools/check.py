@@ -220,8 +220,8 @@ def _moved_upstream(
         return head + (
             "  (the pinned original is not cached here, so upstream's diff cannot "
             "be shown)\nFix: put base-version and [tool.vllm-overlay.sha256] back "
-            "to the release these file pins were written against (git checkout "
-            f"pyproject.toml), then run:\n  {rebase}"
+            "to the release these file pins were written against (git stash "
+            f"push -- pyproject.toml keeps your edit), then run:\n  {rebase}"
         )
     diff = unified_diff(
         pinned,

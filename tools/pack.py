@@ -224,7 +224,7 @@ def repack(
     name = target_name(base_wheel, pins)
     with (
         zipfile.ZipFile(base_wheel) as src,
-        tempfile.TemporaryDirectory(prefix="vllm-overlay-") as work,
+        tempfile.TemporaryDirectory(dir=dest, prefix=".work-") as work,
     ):
         members = {i.filename: i for i in src.infolist() if not i.is_dir()}
         tree = Path(work) / "tree"

@@ -198,8 +198,8 @@ def pinned_originals(pins: Pins, cache_dir: Path) -> dict[str, bytes]:
                         f"(sha256 {pins.replaces[path]}) is neither cached nor in "
                         f"{base.name}.\nFix: put base-version and "
                         f"[tool.{CONFIG_TABLE}.sha256] back to the release the file "
-                        "pins were written against (git checkout pyproject.toml), "
-                        "then run the rebase again"
+                        "pins were written against (git stash push -- "
+                        "pyproject.toml keeps your edit), then run the rebase again"
                     )
                 originals[path] = data
         remember([d for d in originals.values() if d is not None], cache_dir)

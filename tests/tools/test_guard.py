@@ -8,6 +8,7 @@ documented commands (``python -m tools rebase``, the build) on tiny synthetic
 releases served to pip from a local folder.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -258,14 +259,18 @@ def test_killed_build_leaves_nothing_the_next_build_keeps(
         root=str(overlay.REPO_ROOT), module=module, function=function
     )
     args = [str(out), str(project / "pyproject.toml"), str(project / "vllm")]
+    scratch = tmp_path / "tmp"  # its temporary folders must not outlive it
+    scratch.mkdir()
     proc = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
         check=False,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert list(scratch.iterdir()) == []
     caches = [
         fetch.default_cache_dir(),
         fetch.default_cache_dir().parent / "overlay-wheels",

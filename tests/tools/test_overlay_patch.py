@@ -388,7 +388,7 @@ def test_pin_mismatch_without_cached_original_says_how(
     bump_pins_by_hand(project, new)
     message = refused(project, new[0], tmp_path)
     assert "not cached here" in message
-    assert "git checkout pyproject.toml" in message
+    assert "git stash push -- pyproject.toml" in message
     assert f"rebase --base-version {NEW_VERSION}" in message
 
 
