@@ -12,11 +12,11 @@ import os
 import signal
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import overlay
 import pytest
+from test_install_modes import scratch_venv
 from test_overlay_patch import (
     NEW_VERSION,
     ORIGINAL,
@@ -335,14 +335,7 @@ def test_bad_local_label_names_the_setting(tmp_path: Path, label: str) -> None:
 def test_old_pip_prints_no_usage_text(tmp_path: Path, index: Path) -> None:
     """Python's own bundled pip (23.2 on 3.11), as a fresh venv has it."""
     base = release(tmp_path, index, "0.33.0", {PATCHED.as_posix(): ORIGINAL})[0]
-    env_dir = tmp_path / "old-pip"
-    venv.create(env_dir, with_pip=True)  # ensurepip: offline, no index needed
-    python = env_dir / "bin" / "python"
-    # The build tool's own needs come from the environment under test.
-    import packaging
-
-    site = next(env_dir.glob("lib/python*/site-packages"))
-    (site / "lent.pth").write_text(str(Path(packaging.__file__).parents[1]) + "\n")
+    python = scratch_venv(tmp_path, with_pip=True)
     code = (
         f"import sys; sys.path.insert(0, {str(overlay.REPO_ROOT)!r})\n"
         "from pathlib import Path\n"

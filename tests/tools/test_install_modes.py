@@ -55,16 +55,17 @@ def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     )
 
 
-def scratch_venv(where: Path) -> Path:
+def scratch_venv(where: Path, with_pip: bool = False) -> Path:
     """A venv that sees no vllm but its own; return its python.
 
-    It has no pip (the outer pip installs into it with ``--python``) and no
-    system site-packages: the backend's own needs are lent to it from the
+    Without ``with_pip`` it has no pip (the outer pip installs into it with
+    ``--python``); with it, Python's bundled pip (ensurepip, offline). It has
+    no system site-packages: the backend's own needs are lent to it from the
     environment under test through a ``.pth`` file, as a build environment
     would install them, never from the base interpreter, which may lack them.
     """
     env_dir = where / "venv"
-    venv.create(env_dir, with_pip=False)
+    venv.create(env_dir, with_pip=with_pip)
     python = env_dir / "bin" / "python"
     lent = where / "lent"
     lent.mkdir()
