@@ -21,6 +21,7 @@ from fi_ar_utils import (
     build_config,
     namespaces_unavailable,
     run_group,
+    run_reinit,
     workspace_args,
 )
 
@@ -213,6 +214,18 @@ def test_standalone_workspace_shared_with_quant_fusion_quietly(
         quant = fi_ar.get_fi_ar_quant_workspace(**workspace_args(cpu_group))
     assert quant is ws
     assert not [r for r in caplog.records if "workspace" in r.getMessage()]
+
+
+def test_workspace_destroyed_groups_are_freed_across_reinitialisation():
+    """Per-group caches must not keep destroyed groups, nor their gloo state.
+
+    Repeated LLM() creation in one process tears the distributed state down
+    and builds it again; each group kept alive leaks gloo threads and sockets.
+    """
+    reinit = run_reinit(cycles=3)
+    assert reinit["alive"] == [False, False, False]
+    first, *later = reinit["held"]
+    assert all(held == first for held in later), reinit["held"]
 
 
 # --- real rank groups: one node with two ranks, and two nodes ---------------
