@@ -441,6 +441,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             result["standalone_disabled"] = standalone.disabled
             ws = fi_ar.get_fi_ar_workspace(**args)
             quant = fi_ar.get_fi_ar_quant_workspace(**args)
+            result["resolved"] = fi_ar._resolve_fi_ar_backend(group)
             result["workspace"] = None if ws is None else ws.backend
             result["quant"] = None if quant is None else quant.backend
             result["shared"] = ws is not None and ws is quant
