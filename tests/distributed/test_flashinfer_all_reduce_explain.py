@@ -171,8 +171,12 @@ def test_explain_rejects_a_bad_attention_config_in_one_line(explain, capsys):
     assert "error: invalid --attention-config: hisparse_config.bogus" in err
 
 
-def test_explain_warns_about_a_connector_vllm_does_not_know(explain, capsys):
-    config = json.dumps({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"})
+@pytest.mark.parametrize("inside_multi", [False, True])
+def test_explain_warns_about_a_connector_vllm_does_not_know(
+    explain, capsys, inside_multi
+):
+    unknown = {"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}
+    config = json.dumps(_multi(unknown) if inside_multi else unknown)
     status, out, err = _run(explain, capsys, "--kv-transfer-config", config)
     assert status == 0
     assert out.startswith("FlashInfer all-reduce backend: ")
@@ -227,6 +231,7 @@ def test_explain_mnnvl_without_multicast_keeps_the_known_issue(explain, capsys):
         explain, capsys, "--backend", "mnnvl", "--hisparse", "--no-multicast"
     )
     assert explained["backend"] is None
+    assert explained["allow_trtllm_fallback"] is False
     assert explained["known_issue"] == "flashinfer#7782"
 
 
@@ -234,6 +239,15 @@ def test_explain_says_what_a_missing_multicast_would_do(explain, capsys):
     status, out, _ = _run(explain, capsys, "--backend", "mnnvl")
     assert status == 0
     assert out.startswith("FlashInfer all-reduce backend: mnnvl (off if no multicast)")
+
+
+def test_explain_with_known_multicast_gives_one_answer(explain, capsys):
+    """The what-if for a missing multicast is only for when it is unknown."""
+    status, out, _ = _run(explain, capsys, "--backend", "auto", "--multicast")
+    assert status == 0
+    assert out.startswith("FlashInfer all-reduce backend: mnnvl\n")
+    explained = _json(explain, capsys, "--backend", "auto", "--multicast")
+    assert explained["if_no_multicast"] is None
 
 
 def test_policy_turns_explicit_mnnvl_off_without_multicast(policy):
