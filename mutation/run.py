@@ -247,17 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     start = time.monotonic()
     rows = []
-    survivors = False
+    survived = 0
     baselines: set[str] = set()
     with workers(args.jobs) as urls:
         for name in names:
             counts, notes = report(run_module(base, name, urls, baselines))
             rows.append((name, counts))
-            survivors |= bool(notes)
+            survived += counts["survived"]
             print("\n".join([f"{name}:", *notes]) if notes else f"{name}: all killed")
     print_table(rows)
     print(f"wall time {time.monotonic() - start:.0f} s with {args.jobs} workers")
-    return 1 if survivors else 0
+    # An error is cosmic-ray failing to apply a mutant: listed, not a failure.
+    return 1 if survived else 0
 
 
 if __name__ == "__main__":
