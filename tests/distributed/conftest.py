@@ -17,6 +17,24 @@ from fi_ar_utils import (
     reset_log_once,
 )
 
+# The four-rank group fixtures (about a minute each on 2
+# cores). Mutation runs (mutation/cosmic-ray.toml) leave them out with
+# `-m "not slow_rank_group"` and rely on the two-rank `one_node` group.
+SLOW_RANK_GROUPS = {"two_nodes", "uneven_ranks"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "slow_rank_group: uses a four-rank group (two nodes, or uneven ranks)",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_RANK_GROUPS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow_rank_group)
+
 
 @pytest.fixture(scope="session")
 def _cpu_world():

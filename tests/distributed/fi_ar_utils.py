@@ -441,6 +441,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             result["standalone_disabled"] = standalone.disabled
             ws = fi_ar.get_fi_ar_workspace(**args)
             quant = fi_ar.get_fi_ar_quant_workspace(**args)
+            result["resolved"] = fi_ar._resolve_fi_ar_backend(group)
             result["workspace"] = None if ws is None else ws.backend
             result["quant"] = None if quant is None else quant.backend
             result["shared"] = ws is not None and ws is quant
@@ -480,12 +481,92 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def run_reinit(cycles: int, *, timeout: float = 120) -> dict[str, Any]:
+    """Create and destroy the distributed state `cycles` times in one process.
+
+    In a child process of its own, as repeated `LLM()` creation in one
+    process does, so the test run's own world is untouched; it is killed
+    with its gloo threads on `timeout`.
+    """
+    with tempfile.TemporaryDirectory(prefix="fi-ar-reinit-") as tmp:
+        out = Path(tmp, "reinit.json")
+        cmd = [sys.executable, str(HERE), "--reinit", str(cycles), str(out)]
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        try:
+            _wait_all([proc], timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return json.loads(out.read_text())
+
+
+def _reinit_cycles(cycles: int, out_path: str) -> None:
+    """Each cycle: a world and a TP-like group, workspaces, then teardown.
+
+    The teardown is vLLM's: destroy the workspace, then the group and the
+    world. Records whether each cycle's group object was freed and how many
+    threads and file descriptors (gloo's are per group) the process holds.
+    """
+    import gc
+    import importlib
+    import weakref
+
+    sys.path.insert(0, str(HERE.parents[1]))
+    import overlay
+
+    overlay.install()
+
+    import pytest
+    import torch.distributed as dist
+
+    from vllm.config import set_current_vllm_config
+
+    fi_ar = importlib.import_module(MODULE)
+    patch = pytest.MonkeyPatch()
+    pin_gpu(patch, 100)
+    patch.setattr(
+        fi_ar.flashinfer_comm,
+        "create_allreduce_fusion_workspace",
+        FakeWorkspaceFactory(),
+    )
+    groups = []
+    held = []
+    for _ in range(cycles):
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
+        group = dist.new_group(backend="gloo")
+        with set_current_vllm_config(build_config("connector")):
+            fi_ar.get_fi_ar_workspace(**workspace_args(group, world_size=1))
+            fi_ar.get_fi_ar_quant_workspace(**workspace_args(group, world_size=1))
+        fi_ar.destroy_fi_ar_workspace()
+        dist.destroy_process_group(group)
+        dist.destroy_process_group()
+        groups.append(weakref.ref(group))
+        del group
+        gc.collect()
+        held.append(
+            {
+                "threads": len(os.listdir("/proc/self/task")),
+                "fds": len(os.listdir("/proc/self/fd")),
+            }
+        )
+    Path(out_path).write_text(
+        json.dumps({"alive": [g() is not None for g in groups], "held": held})
+    )
+
+
 def _main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rank", type=int)
+    parser.add_argument("--reinit", type=int, metavar="CYCLES")
     parser.add_argument("spec")
     parser.add_argument("ranks", nargs="*")
     args = parser.parse_args()
+    if args.reinit is not None:
+        _reinit_cycles(args.reinit, args.spec)
+        return 0
     if args.rank is None:
         return _run_node(args.spec, args.ranks)
     _run_rank(args.rank, args.spec)

@@ -12,15 +12,21 @@ Upstream test plan:
         -k "flashinfer_auto_backend or workspace_failure or standalone_workspace"
 """
 
+import importlib
 import logging
+from importlib.metadata import PackageNotFoundError
 from typing import Any
 
 import pytest
 from fi_ar_utils import (
     ENV,
+    GROUP_MODULE,
+    CollectiveCounter,
     build_config,
     namespaces_unavailable,
+    pin_gpu,
     run_group,
+    run_reinit,
     workspace_args,
 )
 
@@ -101,7 +107,8 @@ def test_flashinfer_auto_backend_hisparse_single_node_uses_trtllm(
     assert quant is ws
     assert fake_ws.attempts == ["trtllm"], "must never try mnnvl first"
     [line] = _info_lines(caplog)
-    for needed in ("trtllm", "race", "flashinfer#7782", ENV):
+    assert line.startswith("FlashInfer all-reduce backend for ranks (0,): trtllm (auto")
+    for needed in ("race", "flashinfer#7782", ENV):
         assert needed in line
 
 
@@ -126,6 +133,45 @@ def test_flashinfer_auto_backend_hisparse_explicit_mnnvl_warns(
     assert ws.backend == "mnnvl"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("known to crash" in w and "flashinfer#7782" in w for w in warnings)
+
+
+@pytest.mark.parametrize(
+    ("setting", "hisparse"),
+    [("trtllm", "off"), ("trtllm", "connector"), ("mnnvl", "off"), (None, "connector")],
+)
+def test_flashinfer_auto_backend_warns_only_about_a_risky_explicit_setting(
+    fi_ar, fake_ws, cpu_group, caplog, monkeypatch, setting, hisparse
+):
+    """ "Unset the variable" is advice for one who set it into a known bug."""
+    if setting is not None:
+        monkeypatch.setenv(ENV, setting)
+    with set_current_vllm_config(build_config(hisparse)):
+        fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    assert not [r for r in caplog.records if f"Unset {ENV}" in r.getMessage()]
+
+
+def test_flashinfer_auto_backend_one_rank_group_runs_no_collective(
+    fi_ar, fake_ws, cpu_group, monkeypatch
+):
+    """A one-rank group has nobody to agree with or vote against."""
+    counter = CollectiveCounter()
+    counter.install(monkeypatch)
+    assert fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group)).backend == "mnnvl"
+    assert counter.collectives == 0
+
+
+def test_flashinfer_auto_backend_inputs_from_the_platform(fi_ar, monkeypatch):
+    """The GPU and FlashInfer facts the decision reads, or None without them."""
+    group = importlib.import_module(GROUP_MODULE)
+    assert group.device_capability() == 100
+    pin_gpu(monkeypatch, None)
+    assert group.device_capability() is None
+
+    def not_installed(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    monkeypatch.setattr(group, "version", not_installed)
+    assert group.installed_flashinfer_version() is None
 
 
 def test_flashinfer_auto_backend_hisparse_off_without_current_config(
@@ -225,15 +271,28 @@ requires_namespaces = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def one_node() -> list[dict[str, dict[str, Any]]]:
+    """Two ranks, TP=2's shape, also with ranks that see different things.
+
+    A two-rank group must agree and vote as a larger one does. A case that
+    leaves ranks in mismatched collectives hangs until the timeout.
+    """
     return run_group(
         [
             {"name": "auto"},
             {"name": "hisparse", "hisparse": "connector"},
             {"name": "no-multicast", "multicast": False},
             {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True},
+            {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
+            {"name": "mnnvl-fails-on-rank-1", "per_rank": {"1": {"fail": ["mnnvl"]}}},
+            {
+                "name": "hisparse-trtllm-fails-on-rank-1",
+                "hisparse": "connector",
+                "per_rank": {"1": {"fail": ["trtllm"]}},
+            },
         ],
         nnodes=1,
         ranks_per_node=2,
+        timeout=120,
     )
 
 
@@ -313,7 +372,8 @@ def test_flashinfer_auto_backend_hisparse_multi_node_is_off(two_nodes, hisparse)
         assert r["standalone_disabled"]
         assert r["log"] == [], "no workspace may be attempted"
         [line] = [m for m in r["messages"] if "all-reduce backend" in m]
-        assert line.startswith("INFO") and "off" in line and "flashinfer#7782" in line
+        assert line.startswith("INFO FlashInfer all-reduce backend for ranks")
+        assert ": off (auto, HiSparse is on" in line and "flashinfer#7782" in line
 
 
 @requires_namespaces
@@ -352,6 +412,34 @@ def test_flashinfer_auto_backend_hisparse_multi_node_stays_off_after_destroy(
         }
         assert r["log"] == [], "no workspace may be attempted"
         assert len(_startup_lines(r)) == 1
+
+
+def test_flashinfer_auto_backend_two_ranks_that_disagree_turn_it_off(one_node):
+    """The error names each rank's own view, so the odd node can be found."""
+    for r in _every_rank(one_node, "env-differs"):
+        assert r["workspace"] is None and r["quant"] is None
+        assert r["standalone_disabled"]
+        assert r["log"] == [], "no workspace may be attempted"
+        [line] = [m for m in r["messages"] if m.startswith("ERROR")]
+        assert _views(line) == ["mnnvl (may fall back to trtllm)", "trtllm"]
+        assert r["resolved"] == [None, False]
+
+
+def test_workspace_failure_on_one_of_two_ranks_falls_back_on_both(one_node):
+    for r in _every_rank(one_node, "mnnvl-fails-on-rank-1"):
+        assert r["workspace"] == r["quant"] == "trtllm"
+        assert r["log"].count("create:mnnvl") == r["log"].count("create:trtllm") == 1
+
+
+def test_workspace_failure_on_one_of_two_ranks_is_released_on_the_other(one_node):
+    rank0, rank1 = _every_rank(one_node, "hisparse-trtllm-fails-on-rank-1")
+    for r in (rank0, rank1):
+        assert r["workspace"] is None and r["quant"] is None
+        assert not r["standalone_ready"]
+    assert "destroy:trtllm" in rank0["log"]
+    [released] = [m for m in rank0["messages"] if "failed on another rank" in m]
+    assert released.startswith("WARNING FlashInfer trtllm all-reduce workspace")
+    assert not [m for m in rank1["messages"] if "failed on another rank" in m]
 
 
 # --- ranks that see different things must still agree ----------------------
@@ -416,3 +504,33 @@ def test_flashinfer_auto_backend_ranks_that_disagree_turn_it_off(uneven_ranks, c
         [line] = [m for m in r["messages"] if m.startswith("ERROR")]
         assert all(f"rank {rank}:" in line for rank in range(4))
         assert ENV in line
+        assert (
+            _views(line)
+            == {
+                "env-differs": ["mnnvl (may fall back to trtllm)", "trtllm"]
+                + ["mnnvl (may fall back to trtllm)"] * 2,
+                "hisparse-differs": ["trtllm"]
+                + ["mnnvl (may fall back to trtllm)"] * 3,
+            }[case]
+        )
+
+
+def _views(line: str) -> list[str]:
+    """Each rank's view, in rank order, from the disagreement error."""
+    views = line[line.index("(rank 0: ") + 1 : line.index("). Set")]
+    return [view.split(": ", 1)[1] for view in views.split(", rank ")]
+
+
+# --- the process outlives its engines ------------------------------------
+
+
+def test_workspace_destroyed_groups_are_freed_across_reinitialisation():
+    """Per-group caches must not keep destroyed groups, nor their gloo state.
+
+    Repeated LLM() creation in one process tears the distributed state down
+    and builds it again; each group kept alive leaks gloo threads and sockets.
+    """
+    reinit = run_reinit(cycles=3)
+    assert reinit["alive"] == [False, False, False]
+    first, *later = reinit["held"]
+    assert all(held == first for held in later), reinit["held"]

@@ -78,7 +78,13 @@ def _with_fix_in(policy, version: str):
 
 @pytest.mark.parametrize(
     ("fixed_in", "backend"),
-    [("0.7.2.post1", "mnnvl"), ("0.7.2", "mnnvl"), ("0.7.3", "trtllm")],
+    [
+        ("0.7.2.post1", "mnnvl"),
+        ("0.7.2", "mnnvl"),
+        ("0.7.3", "trtllm"),
+        # Same release, later post release: 0.7.2.post1 lacks the fix.
+        ("0.7.2.post2", "trtllm"),
+    ],
 )
 def test_hisparse_override_retires_once_flashinfer_has_the_fix(
     policy, fixed_in, backend
@@ -88,6 +94,22 @@ def test_hisparse_override_retires_once_flashinfer_has_the_fix(
     )
     assert decision.backend == backend
     assert ("retired" in decision.reason) is (backend == "mnnvl")
+    # Retired, auto's own choice comes back whole: trtllm where multicast
+    # turns out to be missing.
+    assert decision.allow_trtllm_fallback is (backend == "mnnvl")
+
+
+@pytest.mark.parametrize("installed", ["local-build", "0.7.2-dirty-abc", ""])
+def test_hisparse_override_stays_for_an_unparseable_flashinfer_version(
+    policy, installed
+):
+    """A version nobody can compare (explain takes free text) is not a fix."""
+    decision = policy.decide_fi_ar_backend(
+        _inputs(policy, hisparse=True, flashinfer_version=installed),
+        _with_fix_in(policy, "0.7.2"),
+    )
+    assert decision.backend == "trtllm"
+    assert decision.known_issue == "flashinfer#7782"
 
 
 @pytest.mark.parametrize("fixed", [True, False])
@@ -105,6 +127,19 @@ def test_hisparse_override_retirement_is_logged(
     assert ("retired" in line) is fixed
     if fixed:
         assert f"flashinfer-python {installed} >= {fixed_in}" in line
+
+
+def test_retired_hisparse_override_still_falls_back_without_multicast(
+    fi_ar, policy, fake_ws, cpu_group, monkeypatch
+):
+    """A node without multicast cannot create mnnvl: it must end on trtllm."""
+    fixed = _with_fix_in(policy, version("flashinfer-python"))
+    monkeypatch.setattr(policy, "FI_AR_KNOWN_ISSUES", fixed)
+    fake_ws.multicast = False
+    with set_current_vllm_config(build_config("connector")):
+        ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    assert ws is not None and ws.backend == "trtllm"
+    assert fake_ws.attempts == ["mnnvl", "trtllm"]
 
 
 def test_a_new_known_issue_needs_no_decision_change(policy):
@@ -125,6 +160,32 @@ def test_a_new_known_issue_needs_no_decision_change(policy):
     decision = policy.decide_fi_ar_backend(inputs, (hypothetical,))
     assert decision.backend is None
     assert decision.known_issue == "flashinfer#0"
+
+
+def test_every_known_issue_is_checked_past_one_that_does_not_count(policy):
+    """An entry that does not apply, or is retired, must not end the search."""
+
+    def mnnvl_issue(name: str, applies=lambda inputs: True, fixed_in=None):
+        return policy.FiArKnownIssue(
+            name=name,
+            summary=f"made-up mnnvl bug {name}",
+            links=(),
+            trigger="always",
+            applies=applies,
+            unsafe_backend="mnnvl",
+            single_node_backend="trtllm",
+            multi_node_backend=None,
+            replacement_note="for the test",
+            fixed_in=fixed_in,
+        )
+
+    issues = (
+        mnnvl_issue("flashinfer#1", applies=lambda inputs: False),
+        mnnvl_issue("flashinfer#2", fixed_in="0.1"),
+        mnnvl_issue("flashinfer#3"),
+    )
+    decision = policy.decide_fi_ar_backend(_inputs(policy), issues)
+    assert (decision.backend, decision.known_issue) == ("trtllm", "flashinfer#3")
 
 
 # --- explain ---------------------------------------------------------------

@@ -9,7 +9,7 @@ import json
 
 import overlay
 import pytest
-from fi_ar_utils import pin_gpu
+from fi_ar_utils import ENV, pin_gpu
 
 HISPARSE = {
     "kv_connector": "HiSparseConnector",
@@ -171,12 +171,30 @@ def test_explain_rejects_a_bad_attention_config_in_one_line(explain, capsys):
     assert "error: invalid --attention-config: hisparse_config.bogus" in err
 
 
-def test_explain_warns_about_a_connector_vllm_does_not_know(explain, capsys):
-    config = json.dumps({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"})
+@pytest.mark.parametrize("inside_multi", [False, True])
+def test_explain_warns_about_a_connector_vllm_does_not_know(
+    explain, capsys, inside_multi
+):
+    unknown = {"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}
+    config = json.dumps(_multi(unknown) if inside_multi else unknown)
     status, out, err = _run(explain, capsys, "--kv-transfer-config", config)
     assert status == 0
     assert out.startswith("FlashInfer all-reduce backend: ")
     assert "warning:" in err and "'NoSuchConnector'" in err
+
+
+def test_explain_trusts_a_plugin_connector_it_cannot_import(explain, capsys):
+    """A connector named by module path loads on the serve machine, not here."""
+    plugin = {
+        "kv_connector": "SiteConnector",
+        "kv_connector_module_path": "site_kv_plugin.connector",
+        "kv_role": "kv_both",
+    }
+    explained = _json(
+        explain, capsys, "--kv-transfer-config", json.dumps(_multi(HISPARSE, plugin))
+    )
+    assert explained["inputs"]["hisparse"] is True
+    assert explained["warnings"] == []
 
 
 def test_explain_hisparse_flag_does_not_contradict_the_serve_options(explain, capsys):
@@ -207,10 +225,29 @@ def test_explain_mnnvl_without_multicast_is_off(explain, capsys, monkeypatch, ar
     assert "multicast" in out.splitlines()[1]
 
 
+def test_explain_mnnvl_without_multicast_keeps_the_known_issue(explain, capsys):
+    """Turned off for multicast, the choice still names the bug it risked."""
+    explained = _json(
+        explain, capsys, "--backend", "mnnvl", "--hisparse", "--no-multicast"
+    )
+    assert explained["backend"] is None
+    assert explained["allow_trtllm_fallback"] is False
+    assert explained["known_issue"] == "flashinfer#7782"
+
+
 def test_explain_says_what_a_missing_multicast_would_do(explain, capsys):
     status, out, _ = _run(explain, capsys, "--backend", "mnnvl")
     assert status == 0
     assert out.startswith("FlashInfer all-reduce backend: mnnvl (off if no multicast)")
+
+
+def test_explain_with_known_multicast_gives_one_answer(explain, capsys):
+    """The what-if for a missing multicast is only for when it is unknown."""
+    status, out, _ = _run(explain, capsys, "--backend", "auto", "--multicast")
+    assert status == 0
+    assert out.startswith("FlashInfer all-reduce backend: mnnvl\n")
+    explained = _json(explain, capsys, "--backend", "auto", "--multicast")
+    assert explained["if_no_multicast"] is None
 
 
 def test_policy_turns_explicit_mnnvl_off_without_multicast(policy):
@@ -236,6 +273,9 @@ def test_policy_turns_explicit_mnnvl_off_without_multicast(policy):
         ("sm90", 90),
         ("sm_100", 100),
         ("SM120", 120),
+        # SM50 is the oldest that CUDA 12 supports.
+        ("5.0", 50),
+        ("sm50", 50),
     ],
 )
 def test_explain_capability_forms(explain, capsys, text, capability):
@@ -243,7 +283,9 @@ def test_explain_capability_forms(explain, capsys, text, capability):
     assert explained["inputs"]["device_capability"] == capability
 
 
-@pytest.mark.parametrize("text", ["9.10", "10", "9", "1.0", "sm_90a", "1000", "09.0"])
+@pytest.mark.parametrize(
+    "text", ["9.10", "10", "9", "1.0", "sm_90a", "1000", "09.0", "4.9", "sm49"]
+)
 def test_explain_refuses_ambiguous_capabilities(explain, capsys, text):
     status, out, err = _run(explain, capsys, "--capability", text)
     assert status == 2
@@ -260,6 +302,7 @@ def test_explain_without_a_gpu_says_the_answer_depends_on_it(
     assert status == 0
     assert out.startswith("FlashInfer all-reduce backend: depends on the GPU\n")
     assert "--capability" in out
+    assert "on Blackwell (SM100+), off otherwise" in out
     explained = _json(explain, capsys, "--nnodes", "2")
     assert explained["depends_on"] == "device_capability"
     assert explained["by_gpu"]["SM100+"]["backend"] == "mnnvl"
@@ -268,6 +311,23 @@ def test_explain_without_a_gpu_says_the_answer_depends_on_it(
     explained = _json(explain, capsys, "--nnodes", "2", "--hisparse")
     assert explained["depends_on"] is None and explained["backend"] is None
     assert explained["known_issue"] == "flashinfer#7782"
+
+
+def test_explain_without_a_gpu_reports_no_capability(explain, capsys, monkeypatch):
+    """The GPU classes tried are stand-ins; the inputs say there is no GPU."""
+    pin_gpu(monkeypatch, None)
+    for argv in (("--hisparse",), ("--nnodes", "2", "--hisparse")):
+        explained = _json(explain, capsys, *argv)
+        assert explained["depends_on"] is None
+        assert explained["inputs"]["device_capability"] is None
+
+
+@pytest.mark.parametrize("nnodes", ["0", "-1"])
+def test_explain_refuses_fewer_than_one_node(explain, capsys, nnodes):
+    status, out, err = _run(explain, capsys, "--nnodes", nnodes)
+    assert status == 2
+    assert out == ""
+    assert "--nnodes must be at least 1" in err
 
 
 def test_explain_usage_error_under_json_still_prints_json(explain, capsys):
@@ -280,7 +340,34 @@ def test_explain_usage_error_under_json_still_prints_json(explain, capsys):
 def test_explain_documents_its_exit_statuses(explain, capsys):
     status, out, _ = _run(explain, capsys, "--help")
     assert status == 0
-    assert "exit status:" in out and "usage error" in out
+    assert "exit status:" in out
+    # The numbers main() and argparse return.
+    for line in (
+        "  0  vLLM would start",
+        "  1  start-up would fail",
+        "  2  usage error",
+    ):
+        assert line in out
+
+
+def test_explain_text_names_every_input(explain, capsys, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    _, out, _ = _run(
+        explain,
+        capsys,
+        *("--nnodes", "2", "--capability", "10.0", "--hisparse", "--multicast"),
+        *("--flashinfer-version", "0.7.2.post1"),
+    )
+    assert out.splitlines()[2] == (
+        f"  inputs: {ENV}=auto, 2 node(s), GPU SM100, HiSparse on, multicast yes, "
+        "flashinfer-python 0.7.2.post1"
+    )
+    pin_gpu(monkeypatch, None)
+    _, out, _ = _run(explain, capsys, "--no-multicast", "--flashinfer-version", "")
+    assert out.splitlines()[2] == (
+        f"  inputs: {ENV}=auto, 1 node(s), GPU unknown, HiSparse off, multicast no, "
+        "flashinfer-python not installed"
+    )
 
 
 # --- point 5: the docs claim only what the creation vote does --------------

@@ -10,6 +10,7 @@ take the same path. This module gathers the inputs of
 once per group, and lets them vote on each workspace creation.
 """
 
+import weakref
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -30,14 +31,22 @@ from vllm.platforms import current_platform
 
 logger = init_logger(__name__)
 
+# Both per-group caches hold their groups weakly: a strong reference would
+# keep every destroyed group's gloo threads and sockets alive, one set per
+# re-initialisation of the distributed state in a process (repeated LLM()).
 # Node counting is itself a collective and a group's nodes never change, so
 # count once per process group (0.33.0 counted several times at start-up).
-_fi_ar_node_counts: dict[ProcessGroup, int] = {}
+_fi_ar_node_counts: weakref.WeakKeyDictionary[ProcessGroup, int] = (
+    weakref.WeakKeyDictionary()
+)
 # The backend every rank of a group agreed on. It outlives
 # destroy_fi_ar_workspace(): a workspace re-created after a destroy (a
 # recompile, sleep/wake) may run with no vLLM config current, and deciding
-# again then would read HiSparse as off and pick the racy mnnvl.
-_fi_ar_decisions: dict[ProcessGroup, tuple[str | None, bool]] = {}
+# again then would read HiSparse as off and pick the racy mnnvl. It goes
+# with its group.
+_fi_ar_decisions: weakref.WeakKeyDictionary[ProcessGroup, tuple[str | None, bool]] = (
+    weakref.WeakKeyDictionary()
+)
 # How a (backend, allow_trtllm_fallback) decision travels between ranks.
 _DECISION_BACKENDS = (None, "trtllm", "mnnvl")
 
