@@ -24,7 +24,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -39,6 +38,9 @@ EXPLAIN_MODULE = f"{MODULE}_explain"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HIDDEN_DIM = 4096
 MAX_TOKENS = 128
+# How a rank ends when ranks create workspaces with different arguments,
+# which on GPUs hangs the group (see FakeWorkspaceFactory).
+RANK_WOULD_HANG = 75
 # Stand-in for PassConfig.default_fi_allreduce_fusion_max_size_mb(), which
 # imports the CUDA-op fusion passes and so cannot run without a GPU.
 FUSION_MAX_SIZE_MB = {2: 64, 4: 64, 8: 64}
@@ -72,9 +74,11 @@ class FakeWorkspaceFactory:
     """Fake `flashinfer_comm.create_allreduce_fusion_workspace`.
 
     Like FlashInfer's, creation is a collective on the group: ranks exchange
-    their arguments, and ranks that disagree block, as mismatched rendezvous
-    do on GPUs. `fail` lists backends whose creation fails on this rank after
-    that exchange; `multicast` is what an mnnvl workspace reports.
+    their arguments. On GPUs, ranks that disagree would block in mismatched
+    rendezvous; here the rank ends at once with exit status RANK_WOULD_HANG,
+    so the group fails in seconds rather than at its timeout. `fail` lists
+    backends whose creation fails on this rank after that exchange;
+    `multicast` is what an mnnvl workspace reports.
     """
 
     fail: set[str] = field(default_factory=set)
@@ -90,8 +94,9 @@ class FakeWorkspaceFactory:
             everyone: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, mine, group=group)
             if any(theirs != mine for theirs in everyone):
-                self.log.append(f"mismatch:{everyone}")
-                threading.Event().wait()
+                print(f"workspace arguments differ across ranks: {everyone}")
+                sys.stdout.flush()
+                os._exit(RANK_WOULD_HANG)
         if backend in self.fail:
             raise RuntimeError(f"injected {backend} workspace failure")
         return FakeWorkspace(backend, self.multicast, self.log)
@@ -220,6 +225,10 @@ class GroupHang(AssertionError):
     """The rank group did not finish in time (a collective hung)."""
 
 
+class RanksDiverged(AssertionError):
+    """Ranks created workspaces with different arguments (see RANK_WOULD_HANG)."""
+
+
 def run_group(
     cases: list[dict[str, Any]],
     *,
@@ -277,24 +286,50 @@ def run_group(
         return results
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+def _first_failure(procs: list[subprocess.Popen], timeout: float) -> int:
+    """Wait for `procs`; the exit status of the first that fails, else 0.
+
+    Returns as soon as one fails, as its peers may then wait for it forever.
+    Raises subprocess.TimeoutExpired if they are still running on `timeout`.
+    """
     deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired as e:
-            raise GroupHang(f"rank group still running after {timeout}s") from e
-        if proc.returncode != 0:
-            raise AssertionError(f"node process exited with {proc.returncode}")
+    while True:
+        codes = [proc.poll() for proc in procs]
+        failed = [code for code in codes if code]
+        if failed:
+            return failed[0]
+        if None not in codes:
+            return 0
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(procs[0].args, timeout)
+        time.sleep(0.1)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    try:
+        code = _first_failure(procs, timeout)
+    except subprocess.TimeoutExpired as e:
+        raise GroupHang(f"rank group still running after {timeout}s") from e
+    if code == RANK_WOULD_HANG:
+        raise RanksDiverged(
+            "ranks created workspaces with different arguments, "
+            "which hangs the group on GPUs"
+        )
+    if code:
+        raise AssertionError(f"node process exited with {code}")
 
 
 def _run_node(spec_path: str, ranks: list[str]) -> int:
-    """Start this node's ranks; they share this process's mount namespace."""
+    """Start this node's ranks; they share this process's mount namespace.
+
+    The node process is killed with its ranks (they share its session) once
+    the group ends.
+    """
     procs = [
         subprocess.Popen([sys.executable, str(HERE), "--rank", r, spec_path])
         for r in ranks
     ]
-    return max(proc.wait() for proc in procs)
+    return _first_failure(procs, timeout=float("inf"))
 
 
 # torch.distributed calls that are collective rounds on a group.

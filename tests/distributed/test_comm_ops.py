@@ -273,8 +273,9 @@ requires_namespaces = pytest.mark.skipif(
 def one_node() -> list[dict[str, dict[str, Any]]]:
     """Two ranks, TP=2's shape, also with ranks that see different things.
 
-    A two-rank group must agree and vote as a larger one does. A case that
-    leaves ranks in mismatched collectives hangs until the timeout.
+    A two-rank group must agree and vote as a larger one does. Ranks that
+    create different workspaces fail the group at once (RanksDiverged); other
+    mismatched collectives hang until the timeout.
     """
     return run_group(
         [
@@ -450,7 +451,7 @@ def uneven_ranks() -> list[dict[str, dict[str, Any]]]:
     """Four ranks on one node, each case making one rank the odd one out.
 
     The fake constructor exchanges arguments like FlashInfer's, so ranks that
-    go separate ways hang here as they would on GPUs (0.33.0 does).
+    go separate ways fail here, where on GPUs they would hang (0.33.0 does).
     """
     return run_group(
         [
