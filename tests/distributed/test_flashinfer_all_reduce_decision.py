@@ -236,6 +236,18 @@ def test_explain_rejects_bad_input(explain, capsys, monkeypatch):
     assert "Valid options" in capsys.readouterr().err
 
 
+def test_docs_decision_table_matches_the_code(explain):
+    page = DOCS.read_text()
+    start = page.index(TABLE_BEGIN) + len(TABLE_BEGIN)
+    documented = page[start : page.index(TABLE_END, start)]
+    assert documented == explain.fi_ar_decision_table(), (
+        f"{DOCS.name} is out of date; regenerate its table with "
+        f"`{explain.EXPLAIN_COMMAND} --table`"
+    )
+
+
+# Last: it starts a new interpreter, the slowest test here, and a mutation
+# run (mutation/cosmic-ray.toml) stops at the first failing test.
 def test_explain_runs_without_a_gpu_as_a_script():
     """What an operator runs on a laptop: no GPU, no current vLLM config."""
     env = {k: v for k, v in os.environ.items() if k != ENV}
@@ -259,13 +271,3 @@ def test_explain_runs_without_a_gpu_as_a_script():
     explained = json.loads(proc.stdout)
     assert explained["backend"] is None
     assert explained["known_issue"] == "flashinfer#7782"
-
-
-def test_docs_decision_table_matches_the_code(explain):
-    page = DOCS.read_text()
-    start = page.index(TABLE_BEGIN) + len(TABLE_BEGIN)
-    documented = page[start : page.index(TABLE_END, start)]
-    assert documented == explain.fi_ar_decision_table(), (
-        f"{DOCS.name} is out of date; regenerate its table with "
-        f"`{explain.EXPLAIN_COMMAND} --table`"
-    )
