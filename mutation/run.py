@@ -5,28 +5,36 @@
     pip install -r requirements/mutation.txt
     python mutation/run.py [MODULE ...] [--jobs N] [--list]
 
-For each module in mutation/cosmic-ray.toml (policy, group, replaced,
-explain): write its session config, create the mutants, skip those outside
-the fix and the known equivalent ones (mutation/scope_filter.py), check
-that its tests pass unmutated, then run them against every mutant. Prints,
-per module, the mutants, killed, timed out and equivalent ones, and every
-survivor; exits 1 if any survived. Sessions are kept under build/mutation/.
+First the workers run each module's tests unmutated: they must pass, or
+every mutant would look killed. Then, for each module in
+mutation/cosmic-ray.toml (policy, group, replaced, explain): write its
+session config, create the mutants, skip those outside the fix and the
+known equivalent ones (mutation/scope_filter.py), and run its tests against
+every mutant. Prints, per module, the mutants, killed, timed out and
+equivalent ones, and every survivor; exits 1 if any survived. Sessions are
+kept under build/mutation/.
 
 cosmic-ray writes each mutant over the file on disk, so the overlay finder
 and the rank subprocesses all import it. It does so in copies of this tree
-(build/mutation/worker-*), one per cosmic-ray HTTP worker: the checkout is
-never mutated, and `--jobs` workers test mutants side by side.
+(build/mutation/worker-*), one per worker (mutation/worker.py, which runs
+each test command in a fork of itself with torch and vLLM's config already
+imported): the checkout is never mutated, and `--jobs` workers test
+mutants side by side.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
+import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,13 +48,15 @@ CONFIG = REPO_ROOT / "mutation" / "cosmic-ray.toml"
 SESSIONS = REPO_ROOT / "build" / "mutation"
 # Keys of [cosmic-ray.modules.*] that mutation/scope_filter.py reads.
 SCOPE_KEYS = ("changed-lines-only", "skip-definitions")
-# What a rank group that hung until its own hard timeout reports.
-GROUP_HANG = "GroupHang"
+# pytest's line for a rank group that hung until its own hard timeout
+# (tests/distributed/fi_ar_utils.py); tracebacks also quote the raise.
+GROUP_HANG = re.compile(r"^E +\S*GroupHang: ", re.MULTILINE)
 # Not part of what the tests read; build/ also holds the worker copies.
 NOT_COPIED = shutil.ignore_patterns(
     ".git", "build", "dist", "__pycache__", ".*_cache", "*.egg-info"
 )
-WORKER_START_TIMEOUT = 60
+# Each worker imports torch and vLLM's config before it listens.
+WORKER_START_TIMEOUT = 120
 
 
 def module_config(base: ConfigDict, name: str, worker_urls: list[str]) -> ConfigDict:
@@ -81,16 +91,14 @@ def _wait_for_port(port: int, worker: subprocess.Popen) -> None:
     deadline = time.monotonic() + WORKER_START_TIMEOUT
     while time.monotonic() < deadline:
         if worker.poll() is not None:
-            raise RuntimeError(
-                f"cosmic-ray http-worker exited with {worker.returncode}"
-            )
+            raise RuntimeError(f"mutation/worker.py exited with {worker.returncode}")
         with (
             contextlib.suppress(OSError),
             socket.create_connection(("127.0.0.1", port)),
         ):
             return
         time.sleep(0.2)
-    raise RuntimeError(f"cosmic-ray http-worker did not listen on {port}")
+    raise RuntimeError(f"mutation/worker.py did not listen on {port}")
 
 
 @contextlib.contextmanager
@@ -102,23 +110,23 @@ def workers(jobs: int) -> Iterator[list[str]]:
     """
     procs = []
     try:
-        urls = []
+        ports = []
         for index in range(jobs):
             copy = SESSIONS / f"worker-{index}"
             shutil.rmtree(copy, ignore_errors=True)
             shutil.copytree(REPO_ROOT, copy, ignore=NOT_COPIED)
-            port = _free_port()
+            ports.append(_free_port())
             procs.append(
                 subprocess.Popen(
-                    [_tool("cosmic-ray"), "http-worker", "--port", str(port)],
+                    [sys.executable, "mutation/worker.py", "--port", str(ports[-1])],
                     cwd=copy,
                     stdout=subprocess.DEVNULL,
                     start_new_session=True,
                 )
             )
-            _wait_for_port(port, procs[-1])
-            urls.append(f"http://127.0.0.1:{port}")
-        yield urls
+        for port, proc in zip(ports, procs, strict=True):
+            _wait_for_port(port, proc)
+        yield [f"http://127.0.0.1:{port}" for port in ports]
     finally:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -126,13 +134,49 @@ def workers(jobs: int) -> Iterator[list[str]]:
             proc.wait()
 
 
-def run_module(
-    base: ConfigDict, name: str, worker_urls: list[str], baselines: set[str]
-) -> Path:
-    """Create and filter one module's session, then (with workers) run it.
+def _test_unmutated(url: str, command: str, timeout: float) -> tuple[bool, str]:
+    """Run `command` in the worker at `url` with no mutation: passed, output."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(
+            {"mutations": [], "test_command": command, "timeout": timeout}
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=timeout + 60) as response:
+        result = json.load(response)
+    passed = (
+        result["worker_outcome"] == WorkerOutcome.NORMAL.value
+        and result["test_outcome"] == TestOutcome.SURVIVED.value
+    )
+    return passed, result["output"] or ""
 
-    `baselines` holds the test commands already seen to pass unmutated.
+
+def check_baselines(base: ConfigDict, names: list[str], worker_urls: list[str]) -> None:
+    """Exit unless each module's tests pass unmutated, run as mutants are.
+
+    Otherwise every mutant would look killed. The commands run side by
+    side, each worker taking its share.
     """
+    commands = list(dict.fromkeys(base["modules"][n]["test-command"] for n in names))
+    jobs = len(worker_urls)
+
+    def share(index: int) -> list[tuple[str, bool, str]]:
+        return [
+            (command, *_test_unmutated(worker_urls[index], command, base["timeout"]))
+            for command in commands[index::jobs]
+        ]
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        results = [r for rs in pool.map(share, range(jobs)) for r in rs]
+    for command, passed, output in results:
+        if not passed:
+            print("\n".join(output.splitlines()[-40:]), file=sys.stderr)
+            sys.exit(f"unmutated, the tests fail: {command}\nfix them first")
+
+
+def run_module(base: ConfigDict, name: str, worker_urls: list[str]) -> Path:
+    """Create and filter one module's session, then (with workers) run it."""
     config = module_config(base, name, worker_urls)
     SESSIONS.mkdir(parents=True, exist_ok=True)
     config_path = SESSIONS / f"{name}.toml"
@@ -149,10 +193,6 @@ def run_module(
         str(config_path),
     )
     if worker_urls:
-        if config["test-command"] not in baselines:
-            # Unmutated, the tests must pass, or every mutant would look killed.
-            _run(_tool("cosmic-ray"), "baseline", str(config_path))
-            baselines.add(config["test-command"])
         _run(_tool("cosmic-ray"), "exec", str(config_path), str(session))
     return session
 
@@ -169,7 +209,7 @@ def classify(result: WorkResult) -> str:
         return "survived"
     if result.test_outcome == TestOutcome.KILLED:
         output = result.output or ""
-        if output == "timeout" or GROUP_HANG in output:
+        if output == "timeout" or GROUP_HANG.search(output):
             return "timed out"
         return "killed"
     return "error"
@@ -238,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.modules or list(base["modules"])
     if args.list:
         for name in names:
-            list_pending(name, run_module(base, name, [], set()))
+            list_pending(name, run_module(base, name, []))
         return 0
     # `python` in the test commands is this interpreter.
     bin_dir = Path(sys.executable).parent
@@ -248,10 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     rows = []
     survived = 0
-    baselines: set[str] = set()
     with workers(args.jobs) as urls:
+        check_baselines(base, names, urls)
         for name in names:
-            counts, notes = report(run_module(base, name, urls, baselines))
+            counts, notes = report(run_module(base, name, urls))
             rows.append((name, counts))
             survived += counts["survived"]
             print("\n".join([f"{name}:", *notes]) if notes else f"{name}: all killed")

@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""A cosmic-ray HTTP worker that tests each mutant in a fork of itself.
+
+    python mutation/worker.py --port PORT    (mutation/run.py starts it)
+
+In a new interpreter, most of a mutant's test run goes on importing torch,
+pytest and vLLM's config before the first test. This worker imports those
+once, then runs each `python -m pytest ...` test command in a fork of
+itself. No module of this tree (the mutants, the tests, the overlay finder)
+is imported before the fork, so each fork imports the mutant afresh, as a
+new interpreter would. Any other test command runs as cosmic-ray runs it.
+"""
+
+import argparse
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import cosmic_ray.mutating
+from cosmic_ray.distribution.http import run_worker
+from cosmic_ray.testing import run_tests
+from cosmic_ray.work_item import TestOutcome
+
+# Imported by every selected test run before its first test, and by none of
+# the modules this tree replaces or adds.
+PRELOAD = ("torch", "torch.distributed", "pytest", "vllm.config", "vllm.platforms")
+PYTEST = ["python", "-m", "pytest"]
+
+
+def tree_modules(root: Path) -> set[str]:
+    """The module names of this tree's vllm/ files."""
+    names = set()
+    for path in (root / "vllm").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def preload(root: Path) -> None:
+    """Import PRELOAD; refuse to serve if that imported a module of the tree,
+    since forks would then test the installed copy instead of the mutant."""
+    for name in PRELOAD:
+        __import__(name)
+    stale = sorted(tree_modules(root) & set(sys.modules))
+    if stale:
+        sys.exit(f"mutation/worker.py: preloading imported {stale}; trim PRELOAD")
+    if threading.active_count() > 1:
+        sys.exit("mutation/worker.py: preloading started threads; forks need none")
+
+
+def _run_pytest(args: list[str], output: int) -> None:
+    """In the fork: run pytest as `python -m pytest` would, then exit."""
+    code = 1
+    try:
+        os.setsid()
+        # The worker's event loop handles these; the fork runs no loop.
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        # As cosmic-ray runs tests: each mutant must be compiled afresh.
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+        sys.dont_write_bytecode = True
+        sys.path[0] = os.getcwd()
+        sys.argv = ["pytest", *args]
+        import pytest
+
+        code = int(pytest.main(args))
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def forked_run_tests(command: str, timeout: float) -> tuple[TestOutcome, str]:
+    """cosmic-ray's run_tests, with `python -m pytest` run in a fork."""
+    argv = shlex.split(command)
+    if argv[: len(PYTEST)] != PYTEST:
+        return run_tests(command, timeout)
+    with tempfile.TemporaryFile() as output:
+        pid = os.fork()
+        if pid == 0:
+            _run_pytest(argv[len(PYTEST) :], output.fileno())
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                # The fork leads its own session: this takes its children too.
+                os.killpg(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return TestOutcome.KILLED, "timeout"
+            time.sleep(0.05)
+        output.seek(0)
+        text = output.read().decode("utf-8", errors="replace")
+    code = os.waitstatus_to_exitcode(status)
+    return (TestOutcome.KILLED if code else TestOutcome.SURVIVED), text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    # cosmic-ray==8.7.0 (requirements/mutation.txt) runs each mutant's tests
+    # through this name; another version may not.
+    if getattr(cosmic_ray.mutating, "run_tests", None) is not run_tests:
+        sys.exit(
+            "mutation/worker.py: this cosmic-ray does not run tests through "
+            "cosmic_ray.mutating.run_tests; pip install -r requirements/mutation.txt"
+        )
+    preload(Path.cwd())
+    cosmic_ray.mutating.run_tests = forked_run_tests
+    run_worker(port=args.port)
+
+
+if __name__ == "__main__":
+    main()
