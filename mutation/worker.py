@@ -5,14 +5,16 @@
     python mutation/worker.py --port PORT    (mutation/run.py starts it)
 
 In a new interpreter, most of a mutant's test run goes on importing torch,
-pytest and vLLM's config before the first test. This worker imports those
-once, then runs each `python -m pytest ...` test command in a fork of
-itself. No module of this tree (the mutants, the tests, the overlay finder)
-is imported before the fork, so each fork imports the mutant afresh, as a
-new interpreter would. Any other test command runs as cosmic-ray runs it.
+vLLM and FlashInfer before the first test. This worker imports those once,
+then runs each `python -m pytest ...` test command in a fork of itself.
+No module of this tree (the mutants, the tests, the overlay finder) is
+imported before the fork, so each fork imports the mutant afresh, as a new
+interpreter would. Any other test command runs as cosmic-ray runs it.
 """
 
 import argparse
+import gc
+import importlib
 import os
 import shlex
 import signal
@@ -28,9 +30,23 @@ from cosmic_ray.distribution.http import run_worker
 from cosmic_ray.testing import run_tests
 from cosmic_ray.work_item import TestOutcome
 
-# Imported by every selected test run before its first test, and by none of
-# the modules this tree replaces or adds.
-PRELOAD = ("torch", "torch.distributed", "pytest", "vllm.config", "vllm.platforms")
+# What the selected tests and the fix's modules import, and none of the
+# modules this tree replaces or adds: the test framework, torch and vLLM's
+# config, FlashInfer's comm package (the replaced file), the engine
+# arguments (explain) and the KV connectors (HiSparse configs).
+PRELOAD = (
+    "pytest",
+    "torch.distributed",
+    "vllm.config",
+    "vllm.platforms",
+    "vllm.distributed.parallel_state",
+    "flashinfer.comm",
+    "flashinfer.comm.mnnvl",
+    "vllm.engine.arg_utils",
+    "vllm.distributed.kv_transfer.kv_connector.factory",
+    "vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector",
+    "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector",
+)
 PYTEST = ["python", "-m", "pytest"]
 
 
@@ -47,12 +63,15 @@ def preload(root: Path) -> None:
     """Import PRELOAD; refuse to serve if that imported a module of the tree,
     since forks would then test the installed copy instead of the mutant."""
     for name in PRELOAD:
-        __import__(name)
+        importlib.import_module(name)
     stale = sorted(tree_modules(root) & set(sys.modules))
     if stale:
         sys.exit(f"mutation/worker.py: preloading imported {stale}; trim PRELOAD")
     if threading.active_count() > 1:
         sys.exit("mutation/worker.py: preloading started threads; forks need none")
+    # The preloaded objects live as long as the worker: keep the garbage
+    # collector of each fork (pytest collects at exit) from scanning them.
+    gc.freeze()
 
 
 def _run_pytest(args: list[str], output: int) -> None:
@@ -70,6 +89,9 @@ def _run_pytest(args: list[str], output: int) -> None:
         os.dup2(output, 2)
         # As cosmic-ray runs tests: each mutant must be compiled afresh.
         os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
+        # The tests need no plugin beyond pytest's own; those installed
+        # (hypothesis, pytest-benchmark, ...) would only slow each run.
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
         sys.dont_write_bytecode = True
         sys.path[0] = os.getcwd()
         sys.argv = ["pytest", *args]
