@@ -91,14 +91,14 @@ def _wait_for_port(port: int, worker: subprocess.Popen) -> None:
     deadline = time.monotonic() + WORKER_START_TIMEOUT
     while time.monotonic() < deadline:
         if worker.poll() is not None:
-            raise RuntimeError(f"mutation/worker.py exited with {worker.returncode}")
+            sys.exit(f"mutation/worker.py exited with {worker.returncode}; see above")
         with (
             contextlib.suppress(OSError),
             socket.create_connection(("127.0.0.1", port)),
         ):
             return
         time.sleep(0.2)
-    raise RuntimeError(f"mutation/worker.py did not listen on {port}")
+    sys.exit(f"mutation/worker.py did not listen within {WORKER_START_TIMEOUT} s")
 
 
 @contextlib.contextmanager
@@ -172,7 +172,7 @@ def check_baselines(base: ConfigDict, names: list[str], worker_urls: list[str]) 
     for command, passed, output in results:
         if not passed:
             print("\n".join(output.splitlines()[-40:]), file=sys.stderr)
-            sys.exit(f"unmutated, the tests fail: {command}\nfix them first")
+            sys.exit(f"unmutated, the tests fail; fix them first: {command}")
 
 
 def run_module(base: ConfigDict, name: str, worker_urls: list[str]) -> Path:
