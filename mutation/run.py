@@ -17,9 +17,9 @@ kept under build/mutation/.
 cosmic-ray writes each mutant over the file on disk, so the overlay finder
 and the rank subprocesses all import it. It does so in copies of this tree
 (build/mutation/worker-*), one per worker (mutation/worker.py, which runs
-each test command in a fork of itself with torch and vLLM's config already
-imported): the checkout is never mutated, and `--jobs` workers test
-mutants side by side.
+each test command in a fork of itself with torch, vLLM and FlashInfer
+already imported): the checkout is never mutated, and `--jobs` workers
+test mutants side by side.
 """
 
 import argparse
@@ -55,7 +55,7 @@ GROUP_HANG = re.compile(r"^E +\S*GroupHang: ", re.MULTILINE)
 NOT_COPIED = shutil.ignore_patterns(
     ".git", "build", "dist", "__pycache__", ".*_cache", "*.egg-info"
 )
-# Each worker imports torch and vLLM's config before it listens.
+# Each worker imports torch, vLLM and FlashInfer before it listens.
 WORKER_START_TIMEOUT = 120
 
 

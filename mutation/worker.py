@@ -7,9 +7,9 @@
 In a new interpreter, most of a mutant's test run goes on importing torch,
 vLLM and FlashInfer before the first test. This worker imports those once,
 then runs each `python -m pytest ...` test command in a fork of itself.
-No module of this tree (the mutants, the tests, the overlay finder) is
-imported before the fork, so each fork imports the mutant afresh, as a new
-interpreter would. Any other test command runs as cosmic-ray runs it.
+None of the tree's vllm/ modules (the mutants), its tests or the overlay
+finder is imported before the fork, so each fork imports the mutant afresh,
+as a new interpreter would. Any other test command runs as cosmic-ray runs it.
 """
 
 import argparse
@@ -29,6 +29,10 @@ import cosmic_ray.mutating
 from cosmic_ray.distribution.http import run_worker
 from cosmic_ray.testing import run_tests
 from cosmic_ray.work_item import TestOutcome
+
+# The build tool is the package tools/ at the repository's root.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
+from tools.check import collect_overlay, module_name  # noqa: E402
 
 # What the selected tests and the fix's modules import, and none of the
 # modules this tree replaces or adds: the test framework, torch and vLLM's
@@ -50,21 +54,13 @@ PRELOAD = (
 PYTEST = ["python", "-m", "pytest"]
 
 
-def tree_modules(root: Path) -> set[str]:
-    """The module names of this tree's vllm/ files."""
-    names = set()
-    for path in (root / "vllm").rglob("*.py"):
-        parts = path.relative_to(root).with_suffix("").parts
-        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return names
-
-
 def preload(root: Path) -> None:
     """Import PRELOAD; refuse to serve if that imported a module of the tree,
     since forks would then test the installed copy instead of the mutant."""
     for name in PRELOAD:
         importlib.import_module(name)
-    stale = sorted(tree_modules(root) & set(sys.modules))
+    tree = {module_name(path.as_posix()) for path in collect_overlay(root / "vllm")}
+    stale = sorted(tree & set(sys.modules))
     if stale:
         sys.exit(f"mutation/worker.py: preloading imported {stale}; trim PRELOAD")
     if threading.active_count() > 1:
