@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
-from tools import fetch, pins, util  # noqa: E402
+from tools import check, fetch, pins, util  # noqa: E402
 from tools import finder as overlay_finder  # noqa: E402
 
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
@@ -54,8 +54,9 @@ def added_files() -> list[Path]:
 
 
 def _module_name(relative: Path) -> str:
-    parts = relative.with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    name = check.module_name(relative.as_posix())
+    assert name is not None, relative
+    return name
 
 
 def run_tool(
