@@ -271,13 +271,7 @@ def run_group(
                     *cmd,
                 ]
             nodes.append(subprocess.Popen(cmd, start_new_session=True))
-        try:
-            _wait_all(nodes, timeout)
-        finally:
-            for proc in nodes:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _wait_all(nodes, timeout)
         results = []
         for rank in range(world_size):
             path = Path(tmp, f"rank{rank}.jsonl")
@@ -306,10 +300,17 @@ def _first_failure(procs: list[subprocess.Popen], timeout: float) -> int:
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Wait for `procs`, each started in a session of its own, then kill
+    those sessions with everything still in them, however the wait ended."""
     try:
         code = _first_failure(procs, timeout)
     except subprocess.TimeoutExpired as e:
         raise GroupHang(f"rank group still running after {timeout}s") from e
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     if code == RANK_WOULD_HANG:
         raise RanksDiverged(
             "ranks created workspaces with different arguments, "
@@ -397,12 +398,18 @@ class _LogCollector(logging.Handler):
         self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
-def _run_rank(rank: int, spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def _import_from_the_tree() -> None:
+    """In a child process: the replaced modules come from this tree, as in
+    the test run that started it (tests/overlay.py)."""
     sys.path.insert(0, str(HERE.parents[1]))
     import overlay
 
     overlay.install()
+
+
+def _run_rank(rank: int, spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    _import_from_the_tree()
 
     import torch.distributed as dist
 
@@ -526,13 +533,7 @@ def run_reinit(cycles: int, *, timeout: float = 120) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="fi-ar-reinit-") as tmp:
         out = Path(tmp, "reinit.json")
         cmd = [sys.executable, str(HERE), "--reinit", str(cycles), str(out)]
-        proc = subprocess.Popen(cmd, start_new_session=True)
-        try:
-            _wait_all([proc], timeout)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _wait_all([subprocess.Popen(cmd, start_new_session=True)], timeout)
         return json.loads(out.read_text())
 
 
@@ -547,10 +548,7 @@ def _reinit_cycles(cycles: int, out_path: str) -> None:
     import importlib
     import weakref
 
-    sys.path.insert(0, str(HERE.parents[1]))
-    import overlay
-
-    overlay.install()
+    _import_from_the_tree()
 
     import pytest
     import torch.distributed as dist
