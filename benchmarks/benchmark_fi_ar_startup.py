@@ -28,7 +28,7 @@ from typing import Any
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "distributed")]
 
-import overlay  # noqa: E402
+import tree_imports  # noqa: E402
 from fi_ar_utils import run_group  # noqa: E402
 
 SCENARIOS: dict[str, dict[str, Any]] = {
@@ -42,7 +42,7 @@ def measure(
     source: str, scenario: dict[str, Any], ranks: int, repeats: int
 ) -> dict[str, float]:
     """Run the scenario `repeats` times on fresh groups with one module."""
-    os.environ[overlay.SOURCE_ENV] = source
+    os.environ[tree_imports.SOURCE_ENV] = source
     cases = [{"name": f"run-{i}", **scenario} for i in range(repeats)]
     per_rank = run_group(cases, nnodes=1, ranks_per_node=ranks, timeout=900)
     runs = []

@@ -1,17 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Time `pip install .`'s build step: the old pipeline against today's.
+"""Time `pip install .`'s build step against a plain unpack-and-repack build.
 
 Both run in the same process on the real cached base wheel (a cold cache,
 i.e. the download, is excluded), so the ratios hold on any machine:
 
-- old: verify, ``wheel unpack``, copy the tree's files, ``wheel pack
+- plain: verify, ``wheel unpack``, copy the tree's files, ``wheel pack
   --local-version`` and a second full compression by ``wheel tags`` to
-  restore the base file name's tags (the backend before issue 9, redone here);
+  restore the base file name's tags: what the ``wheel`` CLI alone gives;
 - first build: tools.pack.build() with an empty build cache;
 - unchanged rebuild: the same build again, which reuses the cached wheel.
 
-Targets: first build <= 0.6x old, unchanged rebuild <= 0.1x old.
+Targets: first build <= 0.6x plain, unchanged rebuild <= 0.1x plain.
 
     python benchmarks/benchmark_overlay_build.py [--base PATH]
 """
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import overlay  # noqa: E402
+import tree_imports  # noqa: E402
 
 from tools import check, fetch, pack  # noqa: E402
 from tools.pins import load_pins  # noqa: E402
@@ -36,16 +36,16 @@ FIRST_TARGET = 0.6
 REBUILD_TARGET = 0.1
 
 
-def old_pipeline(base: Path, out: Path) -> None:
-    """The backend's build before issue 9: two full compressions."""
+def plain_pipeline(base: Path, out: Path) -> None:
+    """The build with the ``wheel`` CLI alone: two full compressions."""
     pins = load_pins()
     fetch.verify_base_wheel(base, pins)
     python_tag, abi_tag, platform_tag = base.name[: -len(".whl")].split("-")[-3:]
-    with tempfile.TemporaryDirectory(prefix="bench-old-") as work:
+    with tempfile.TemporaryDirectory(prefix="bench-plain-") as work:
         _wheel("unpack", "--dest", work, str(base))
         tree = next(Path(work).iterdir())
-        for rel in check.collect_overlay(overlay.REPO_ROOT / "vllm"):
-            shutil.copyfile(overlay.REPO_ROOT / rel, tree / rel)
+        for rel in check.collect_overlay(tree_imports.REPO_ROOT / "vllm"):
+            shutil.copyfile(tree_imports.REPO_ROOT / rel, tree / rel)
         _wheel(
             "pack",
             "--dest-dir",
@@ -95,7 +95,7 @@ def main() -> int:
     os.environ.pop("SOURCE_DATE_EPOCH", None)
     with tempfile.TemporaryDirectory(prefix="bench-overlay-") as tmp:
         work = Path(tmp)
-        dirs = {name: work / name for name in ("old", "first", "again", "cache")}
+        dirs = {name: work / name for name in ("plain", "first", "again", "cache")}
         for folder in dirs.values():
             folder.mkdir()
         cache = dirs["cache"] / "precompiled-wheels"
@@ -103,15 +103,19 @@ def main() -> int:
         def new_build(out: Path) -> Callable[[], object]:
             return lambda: pack.build(out, location=str(args.base), cache_dir=cache)
 
-        old = timed("old pipeline", lambda: old_pipeline(args.base, dirs["old"]))
+        plain = timed(
+            "plain pipeline", lambda: plain_pipeline(args.base, dirs["plain"])
+        )
         first = timed("first build", new_build(dirs["first"]))
         again = timed("unchanged rebuild", new_build(dirs["again"]))
         same = [
             p.read_bytes() for p in (dirs["first"], dirs["again"]) for p in p.iterdir()
         ]
-    print(f"first build / old:       {first / old:.2f} (target <= {FIRST_TARGET})")
-    print(f"unchanged rebuild / old: {again / old:.2f} (target <= {REBUILD_TARGET})")
-    met = first / old <= FIRST_TARGET and again / old <= REBUILD_TARGET
+    print(f"first build / plain:       {first / plain:.2f} (target <= {FIRST_TARGET})")
+    print(
+        f"unchanged rebuild / plain: {again / plain:.2f} (target <= {REBUILD_TARGET})"
+    )
+    met = first / plain <= FIRST_TARGET and again / plain <= REBUILD_TARGET
     print("identical wheels:", same[0] == same[1])
     print("targets met" if met and same[0] == same[1] else "TARGETS MISSED")
     return 0 if met else 1

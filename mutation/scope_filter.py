@@ -39,9 +39,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 def upstream_original(module_path: str) -> Path:
     """Upstream's original of a replaced file, from the pinned base wheel."""
     sys.path.insert(0, str(REPO_ROOT / "tests"))
-    import overlay
+    import tree_imports
 
-    return overlay.stock_root() / module_path
+    return tree_imports.stock_root() / module_path
 
 
 def changed_lines(ours: str, upstream: str) -> set[int]:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-import overlay
 import pytest
+import tree_imports
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -19,7 +19,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before any test module imports vLLM, so the replaced modules resolve to
     # this tree (or to stock 0.33.0); child processes inherit the choice.
     source = "stock" if config.getoption("--stock-vllm") else "tree"
-    config.stash[overlay_key] = overlay.install(source)
+    config.stash[overlay_key] = tree_imports.install(source)
 
 
 overlay_key = pytest.StashKey[dict]()

@@ -6,11 +6,11 @@ what the README and .ci/run run."""
 import re
 import shlex
 
-import overlay
 import pytest
+import tree_imports
 import yaml
 
-ROOT = overlay.REPO_ROOT
+ROOT = tree_imports.REPO_ROOT
 PIPELINES = sorted((ROOT / ".buildkite").rglob("*.yaml"))
 REPO_PATH = re.compile(r"^(vllm|tests|benchmarks|tools|requirements|\.buildkite)/")
 

@@ -7,7 +7,7 @@ import os
 from importlib.metadata import version
 from pathlib import Path
 
-import overlay
+import tree_imports
 
 from tools.pins import load_pins
 
@@ -21,10 +21,10 @@ def test_replaced_modules_come_from_the_selected_source(overlay_modules):
 
 
 def test_tree_is_the_default_source(overlay_modules):
-    if os.environ[overlay.SOURCE_ENV] != "tree":
+    if os.environ[tree_imports.SOURCE_ENV] != "tree":
         return
     name = "vllm.distributed.device_communicators.flashinfer_all_reduce"
-    expected = overlay.REPO_ROOT / "vllm/distributed/device_communicators"
+    expected = tree_imports.REPO_ROOT / "vllm/distributed/device_communicators"
     assert overlay_modules[name] == expected / "flashinfer_all_reduce.py"
 
 

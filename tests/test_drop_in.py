@@ -13,8 +13,8 @@ import itertools
 import subprocess
 from pathlib import Path
 
-import overlay
 import pytest
+import tree_imports
 
 from tools import check, fetch
 from tools.pins import load_pins
@@ -70,12 +70,12 @@ def _top_level(path: Path) -> tuple[set[str], Signatures]:
 
 @pytest.fixture(scope="module")
 def stock() -> Path:
-    return overlay.stock_root()
+    return tree_imports.stock_root()
 
 
-@pytest.mark.parametrize("relative", overlay.replaced_files(), ids=str)
+@pytest.mark.parametrize("relative", tree_imports.replaced_files(), ids=str)
 def test_replaced_file_keeps_upstream_names_and_signatures(stock, relative):
-    ours_names, ours_signatures = _top_level(overlay.REPO_ROOT / relative)
+    ours_names, ours_signatures = _top_level(tree_imports.REPO_ROOT / relative)
     upstream_names, upstream_signatures = _top_level(stock / relative)
     assert upstream_names - ours_names == set()
     for name, parameters in upstream_signatures.items():
@@ -85,8 +85,8 @@ def test_replaced_file_keeps_upstream_names_and_signatures(stock, relative):
 def test_replaced_file_opens_with_a_dep3_header():
     fields = ("Description:", "Bug:", "Origin:", "Forwarded:", "Base: vllm==")
     fields += ("Last-Update:", "Applied-Upstream:", "Drop-When:")
-    for relative in overlay.replaced_files():
-        lines = (overlay.REPO_ROOT / relative).read_text().splitlines()
+    for relative in tree_imports.replaced_files():
+        lines = (tree_imports.REPO_ROOT / relative).read_text().splitlines()
         header = "\n".join(itertools.takewhile(lambda x: x.startswith("#"), lines))
         for field in fields:
             assert f"# {field}" in header, f"{relative}: no {field} line"
@@ -96,9 +96,9 @@ def test_replaced_file_opens_with_a_dep3_header():
 MAX_CHANGED_LINES = 150
 
 
-@pytest.mark.parametrize("relative", overlay.replaced_files(), ids=str)
+@pytest.mark.parametrize("relative", tree_imports.replaced_files(), ids=str)
 def test_replaced_file_carries_only_the_change(stock, relative):
-    ours = (overlay.REPO_ROOT / relative).read_text().splitlines()
+    ours = (tree_imports.REPO_ROOT / relative).read_text().splitlines()
     upstream = (stock / relative).read_text().splitlines()
     changed = [
         line
@@ -115,7 +115,7 @@ def test_every_file_is_declared_and_fits_the_base_wheel():
     # The build's own check, on the real pinned wheel: a file under vllm/
     # missing from pyproject.toml, or a stale pin, fails here too.
     pins = load_pins()
-    overlay_root = overlay.REPO_ROOT / pins.name
+    overlay_root = tree_imports.REPO_ROOT / pins.name
     originals = check.check_base_wheel(
         pins,
         overlay_root,
@@ -128,9 +128,9 @@ def test_every_file_is_declared_and_fits_the_base_wheel():
 
 def test_diff_applied_to_upstream_gives_back_our_files(tmp_path):
     pins = load_pins()
-    proc = overlay.run_tool(overlay.REPO_ROOT, "diff", timeout=300)
+    proc = tree_imports.run_tool(tree_imports.REPO_ROOT, "diff", timeout=300)
     assert proc.returncode == 0, proc.stderr
-    source = overlay.extract_base_files(
+    source = tree_imports.extract_base_files(
         pins.replaces, tmp_path / "upstream", fetch.fetch_base_wheel(pins)
     )
     (tmp_path / "overlay.diff").write_text(proc.stdout)
@@ -141,5 +141,5 @@ def test_diff_applied_to_upstream_gives_back_our_files(tmp_path):
         timeout=60,
     )
     for relative in [*pins.replaces, *pins.adds]:
-        ours = (overlay.REPO_ROOT / relative).read_bytes()
+        ours = (tree_imports.REPO_ROOT / relative).read_bytes()
         assert (source / relative).read_bytes() == ours, relative

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The precompiled-overlay build tool: vLLM's release wheel plus ``vllm/``.
+"""The overlay build tool: vLLM's release wheel plus ``vllm/``.
 
 Imports run one way, down this list; no module imports one above it::
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The PEP 517 and PEP 660 hooks of the precompiled-overlay build.
+"""The PEP 517 and PEP 660 hooks of the overlay build.
 
 Each hook hands over to its stage module. ``config_settings`` is accepted and
 ignored: every input comes from pyproject.toml and the environment, like

@@ -4,7 +4,7 @@
 
 One mechanism for two users: the editable install (``pip install -e .``)
 ships this file as ``_vllm_overlay_finder.py`` and starts it from a ``.pth``
-file, and the test suite (``tests/overlay.py``) installs it in-process.
+file, and the test suite (``tests/tree_imports.py``) installs it in-process.
 
 Lookups are done on each import, not from a list made at install time, so a
 module added to the tree later (e.g. a new helper beside a replaced file) is

@@ -24,7 +24,7 @@ class OverlayError(Exception):
 
 def log(message: str) -> None:
     """One progress line on stderr; pip shows these with ``-v``."""
-    print(f"precompiled_overlay: {message}", file=sys.stderr, flush=True)
+    print(f"vllm-overlay: {message}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

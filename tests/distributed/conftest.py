@@ -3,6 +3,7 @@
 """In-process fixtures for the FlashInfer all-reduce module."""
 
 import importlib
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from fi_ar_utils import (
     free_port,
     pin_gpu,
     reset_log_once,
+    run_group,
 )
 
 # The four-rank group fixtures (about a minute each on 2
@@ -87,3 +89,31 @@ def fake_ws(fi_ar, monkeypatch) -> FakeWorkspaceFactory:
         fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
     )
     return factory
+
+
+@pytest.fixture(scope="session")
+def one_node() -> list[dict[str, dict[str, Any]]]:
+    """Two ranks, TP=2's shape, also with ranks that see different things.
+
+    A two-rank group must agree and vote as a larger one does. Ranks that
+    create different workspaces fail the group at once (RanksDiverged); other
+    mismatched collectives hang until the timeout.
+    """
+    return run_group(
+        [
+            {"name": "auto"},
+            {"name": "hisparse", "hisparse": "connector"},
+            {"name": "no-multicast", "multicast": False},
+            {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True},
+            {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
+            {"name": "mnnvl-fails-on-rank-1", "per_rank": {"1": {"fail": ["mnnvl"]}}},
+            {
+                "name": "hisparse-trtllm-fails-on-rank-1",
+                "hisparse": "connector",
+                "per_rank": {"1": {"fail": ["trtllm"]}},
+            },
+        ],
+        nnodes=1,
+        ranks_per_node=2,
+        timeout=120,
+    )

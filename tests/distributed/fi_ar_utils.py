@@ -280,6 +280,15 @@ def run_group(
         return results
 
 
+def every_rank(results, case: str) -> list[dict[str, Any]]:
+    per_rank = [r[case] for r in results]
+    for r in per_rank:
+        assert "error" not in r or r["error"].startswith("ValueError"), r.get(
+            "traceback"
+        )
+    return per_rank
+
+
 def _first_failure(procs: list[subprocess.Popen], timeout: float) -> int:
     """Wait for `procs`; the exit status of the first that fails, else 0.
 
@@ -400,11 +409,11 @@ class _LogCollector(logging.Handler):
 
 def _import_from_the_tree() -> None:
     """In a child process: the replaced modules come from this tree, as in
-    the test run that started it (tests/overlay.py)."""
+    the test run that started it (tests/tree_imports.py)."""
     sys.path.insert(0, str(HERE.parents[1]))
-    import overlay
+    import tree_imports
 
-    overlay.install()
+    tree_imports.install()
 
 
 def _run_rank(rank: int, spec_path: str) -> None:

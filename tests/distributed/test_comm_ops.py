@@ -2,31 +2,30 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """FlashInfer all-reduce backend selection and workspace lifecycle.
 
-Runs on CPU: real VllmConfig objects, real gloo process groups on loopback,
-and the real module; only FlashInfer's workspace constructor and the CUDA
-device facts are faked (see fi_ar_utils). Multi-node cases put each node's
-ranks in their own mount namespace with a private /dev/shm.
+The replaced module, through upstream's entry points: the workspace getters,
+FlashInferAllReduce and the checkpoint hooks. Runs on CPU: real VllmConfig
+objects, real gloo process groups on loopback, and the real module; only
+FlashInfer's workspace constructor and the CUDA device facts are faked (see
+fi_ar_utils). Multi-node cases put each node's ranks in their own mount
+namespace with a private /dev/shm.
 
 Upstream test plan:
     pytest tests/distributed/test_comm_ops.py \
         -k "flashinfer_auto_backend or workspace_failure or standalone_workspace"
 """
 
-import importlib
+import inspect
 import logging
-from importlib.metadata import PackageNotFoundError
 from typing import Any
 
 import pytest
+import tree_imports
 from fi_ar_utils import (
     ENV,
-    GROUP_MODULE,
-    CollectiveCounter,
     build_config,
+    every_rank,
     namespaces_unavailable,
-    pin_gpu,
     run_group,
-    run_reinit,
     workspace_args,
 )
 
@@ -43,7 +42,27 @@ def _info_lines(caplog) -> list[str]:
     ]
 
 
-# --- single node -----------------------------------------------------------
+requires_namespaces = pytest.mark.skipif(
+    (why := namespaces_unavailable()) is not None,
+    reason=f"two nodes are simulated with mount namespaces: {why}",
+)
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> list[dict[str, dict[str, Any]]]:
+    cases: list[dict[str, Any]] = [
+        {"name": "auto-100", "capability": 100},
+        {"name": "auto-90", "capability": 90},
+        {"name": "trtllm", "env": {ENV: "trtllm"}},
+        {"name": "mnnvl", "env": {ENV: "mnnvl"}, "capability": 90},
+    ]
+    cases += [{"name": f"hisparse-{m}", "hisparse": m} for m in HISPARSE_ON]
+    cases += [{"name": "hisparse-reacquire", "hisparse": "config", "reacquire": True}]
+    return run_group(cases, nnodes=2, ranks_per_node=2)
+
+
+def _startup_lines(r: dict[str, Any]) -> list[str]:
+    return [m for m in r["messages"] if "all-reduce backend for" in m]
 
 
 def test_flashinfer_auto_backend_single_node_uses_mnnvl(fi_ar, fake_ws, cpu_group):
@@ -89,9 +108,6 @@ def test_flashinfer_auto_backend_rejects_unknown_setting(fi_ar, cpu_group, monke
     monkeypatch.setenv(ENV, "nvlink")
     with pytest.raises(ValueError, match=r"nvlink.*VLLM_FLASHINFER_ALLREDUCE_BACKEND"):
         fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
-
-
-# --- HiSparse, single node -------------------------------------------------
 
 
 @pytest.mark.parametrize("hisparse", HISPARSE_ON)
@@ -148,41 +164,6 @@ def test_flashinfer_auto_backend_warns_only_about_a_risky_explicit_setting(
     with set_current_vllm_config(build_config(hisparse)):
         fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
     assert not [r for r in caplog.records if f"Unset {ENV}" in r.getMessage()]
-
-
-def test_flashinfer_auto_backend_one_rank_group_runs_no_collective(
-    fi_ar, fake_ws, cpu_group, monkeypatch
-):
-    """A one-rank group has nobody to agree with or vote against."""
-    counter = CollectiveCounter()
-    counter.install(monkeypatch)
-    assert fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group)).backend == "mnnvl"
-    assert counter.collectives == 0
-
-
-def test_flashinfer_auto_backend_inputs_from_the_platform(fi_ar, monkeypatch):
-    """The GPU and FlashInfer facts the decision reads, or None without them."""
-    group = importlib.import_module(GROUP_MODULE)
-    assert group.device_capability() == 100
-    pin_gpu(monkeypatch, None)
-    assert group.device_capability() is None
-
-    def not_installed(name: str) -> str:
-        raise PackageNotFoundError(name)
-
-    monkeypatch.setattr(group, "version", not_installed)
-    assert group.installed_flashinfer_version() is None
-
-
-def test_flashinfer_auto_backend_hisparse_off_without_current_config(
-    fi_ar, fake_ws, cpu_group
-):
-    with set_current_vllm_config(build_config("off")):
-        assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("mnnvl", True)
-    assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("mnnvl", True)
-
-
-# --- workspace lifecycle ---------------------------------------------------
 
 
 @pytest.mark.parametrize("getter", ["get_fi_ar_workspace", "get_fi_ar_quant_workspace"])
@@ -261,105 +242,40 @@ def test_standalone_workspace_shared_with_quant_fusion_quietly(
     assert not [r for r in caplog.records if "workspace" in r.getMessage()]
 
 
-# --- real rank groups: one node with two ranks, and two nodes ---------------
-
-requires_namespaces = pytest.mark.skipif(
-    (why := namespaces_unavailable()) is not None,
-    reason=f"two nodes are simulated with mount namespaces: {why}",
-)
-
-
-@pytest.fixture(scope="module")
-def one_node() -> list[dict[str, dict[str, Any]]]:
-    """Two ranks, TP=2's shape, also with ranks that see different things.
-
-    A two-rank group must agree and vote as a larger one does. Ranks that
-    create different workspaces fail the group at once (RanksDiverged); other
-    mismatched collectives hang until the timeout.
-    """
-    return run_group(
-        [
-            {"name": "auto"},
-            {"name": "hisparse", "hisparse": "connector"},
-            {"name": "no-multicast", "multicast": False},
-            {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True},
-            {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
-            {"name": "mnnvl-fails-on-rank-1", "per_rank": {"1": {"fail": ["mnnvl"]}}},
-            {
-                "name": "hisparse-trtllm-fails-on-rank-1",
-                "hisparse": "connector",
-                "per_rank": {"1": {"fail": ["trtllm"]}},
-            },
-        ],
-        nnodes=1,
-        ranks_per_node=2,
-        timeout=120,
-    )
-
-
-@pytest.fixture(scope="module")
-def two_nodes() -> list[dict[str, dict[str, Any]]]:
-    cases: list[dict[str, Any]] = [
-        {"name": "auto-100", "capability": 100},
-        {"name": "auto-90", "capability": 90},
-        {"name": "trtllm", "env": {ENV: "trtllm"}},
-        {"name": "mnnvl", "env": {ENV: "mnnvl"}, "capability": 90},
-    ]
-    cases += [{"name": f"hisparse-{m}", "hisparse": m} for m in HISPARSE_ON]
-    cases += [{"name": "hisparse-reacquire", "hisparse": "config", "reacquire": True}]
-    return run_group(cases, nnodes=2, ranks_per_node=2)
-
-
-def _every_rank(results, case: str) -> list[dict[str, Any]]:
-    per_rank = [r[case] for r in results]
-    for r in per_rank:
-        assert "error" not in r or r["error"].startswith("ValueError"), r.get(
-            "traceback"
-        )
-    return per_rank
-
-
 @pytest.mark.parametrize(
     ("case", "backend"),
     [("auto", "mnnvl"), ("hisparse", "trtllm"), ("no-multicast", "trtllm")],
 )
 def test_standalone_workspace_enabled_on_one_node(one_node, case, backend):
-    for r in _every_rank(one_node, case):
+    for r in every_rank(one_node, case):
         assert not r["standalone_disabled"]
         assert r["standalone_ready"]
         assert r["workspace"] == r["quant"] == backend
         assert r["shared"]
 
 
-@pytest.mark.parametrize("case", ["auto", "hisparse", "no-multicast"])
-def test_standalone_workspace_acquisition_counts_nodes_once(one_node, case):
-    # Counting nodes is a collective; 0.33.0 repeated it on every resolve.
-    for r in _every_rank(one_node, case):
-        assert r["node_probes"] == 1
-
-
 def test_standalone_workspace_hisparse_one_node_never_tries_mnnvl(one_node):
-    for r in _every_rank(one_node, "hisparse"):
+    for r in every_rank(one_node, "hisparse"):
         assert "create:mnnvl" not in r["log"]
 
 
 @requires_namespaces
 @pytest.mark.parametrize(("capability", "backend"), [(100, "mnnvl"), (90, None)])
 def test_flashinfer_auto_backend_multi_node(two_nodes, capability, backend):
-    for r in _every_rank(two_nodes, f"auto-{capability}"):
+    for r in every_rank(two_nodes, f"auto-{capability}"):
         assert r["workspace"] == r["quant"] == backend
         assert r["standalone_disabled"] is (backend is None)
 
 
 @requires_namespaces
 def test_flashinfer_auto_backend_explicit_mnnvl_across_nodes(two_nodes):
-    for r in _every_rank(two_nodes, "mnnvl"):
+    for r in every_rank(two_nodes, "mnnvl"):
         assert r["workspace"] == "mnnvl"
 
 
 @requires_namespaces
 def test_flashinfer_auto_backend_explicit_trtllm_across_nodes_raises(two_nodes):
-    for r in _every_rank(two_nodes, "trtllm"):
+    for r in every_rank(two_nodes, "trtllm"):
         assert r["error"].startswith("ValueError")
         assert "trtllm" in r["error"] and "mnnvl" in r["error"]
         assert r["log"] == [], "no workspace may be attempted"
@@ -368,7 +284,7 @@ def test_flashinfer_auto_backend_explicit_trtllm_across_nodes_raises(two_nodes):
 @requires_namespaces
 @pytest.mark.parametrize("hisparse", HISPARSE_ON)
 def test_flashinfer_auto_backend_hisparse_multi_node_is_off(two_nodes, hisparse):
-    for r in _every_rank(two_nodes, f"hisparse-{hisparse}"):
+    for r in every_rank(two_nodes, f"hisparse-{hisparse}"):
         assert r["workspace"] is None and r["quant"] is None
         assert r["standalone_disabled"]
         assert r["log"] == [], "no workspace may be attempted"
@@ -379,17 +295,13 @@ def test_flashinfer_auto_backend_hisparse_multi_node_is_off(two_nodes, hisparse)
 
 @requires_namespaces
 def test_standalone_workspace_disabled_without_backend(two_nodes):
-    for r in _every_rank(two_nodes, "auto-90"):
+    for r in every_rank(two_nodes, "auto-90"):
         assert r["standalone_disabled"]
         assert r["log"] == []
 
 
-def _startup_lines(r: dict[str, Any]) -> list[str]:
-    return [m for m in r["messages"] if "all-reduce backend for" in m]
-
-
 def test_standalone_workspace_hisparse_survives_destroy_on_one_node(one_node):
-    for r in _every_rank(one_node, "hisparse-reacquire"):
+    for r in every_rank(one_node, "hisparse-reacquire"):
         assert r["reacquired"] == {
             "standalone_disabled": False,
             "standalone_ready": True,
@@ -404,7 +316,7 @@ def test_standalone_workspace_hisparse_survives_destroy_on_one_node(one_node):
 def test_flashinfer_auto_backend_hisparse_multi_node_stays_off_after_destroy(
     two_nodes,
 ):
-    for r in _every_rank(two_nodes, "hisparse-reacquire"):
+    for r in every_rank(two_nodes, "hisparse-reacquire"):
         assert r["reacquired"] == {
             "standalone_disabled": True,
             "standalone_ready": False,
@@ -415,25 +327,8 @@ def test_flashinfer_auto_backend_hisparse_multi_node_stays_off_after_destroy(
         assert len(_startup_lines(r)) == 1
 
 
-def test_flashinfer_auto_backend_two_ranks_that_disagree_turn_it_off(one_node):
-    """The error names each rank's own view, so the odd node can be found."""
-    for r in _every_rank(one_node, "env-differs"):
-        assert r["workspace"] is None and r["quant"] is None
-        assert r["standalone_disabled"]
-        assert r["log"] == [], "no workspace may be attempted"
-        [line] = [m for m in r["messages"] if m.startswith("ERROR")]
-        assert _views(line) == ["mnnvl (may fall back to trtllm)", "trtllm"]
-        assert r["resolved"] == [None, False]
-
-
-def test_workspace_failure_on_one_of_two_ranks_falls_back_on_both(one_node):
-    for r in _every_rank(one_node, "mnnvl-fails-on-rank-1"):
-        assert r["workspace"] == r["quant"] == "trtllm"
-        assert r["log"].count("create:mnnvl") == r["log"].count("create:trtllm") == 1
-
-
 def test_workspace_failure_on_one_of_two_ranks_is_released_on_the_other(one_node):
-    rank0, rank1 = _every_rank(one_node, "hisparse-trtllm-fails-on-rank-1")
+    rank0, rank1 = every_rank(one_node, "hisparse-trtllm-fails-on-rank-1")
     for r in (rank0, rank1):
         assert r["workspace"] is None and r["quant"] is None
         assert not r["standalone_ready"]
@@ -443,95 +338,13 @@ def test_workspace_failure_on_one_of_two_ranks_is_released_on_the_other(one_node
     assert not [m for m in rank1["messages"] if "failed on another rank" in m]
 
 
-# --- ranks that see different things must still agree ----------------------
-
-
-@pytest.fixture(scope="module")
-def uneven_ranks() -> list[dict[str, dict[str, Any]]]:
-    """Four ranks on one node, each case making one rank the odd one out.
-
-    The fake constructor exchanges arguments like FlashInfer's, so ranks that
-    go separate ways fail here, where on GPUs they would hang (0.33.0 does).
-    """
-    return run_group(
-        [
-            {"name": "mnnvl-fails-on-rank-2", "per_rank": {"2": {"fail": ["mnnvl"]}}},
-            {
-                "name": "hisparse-trtllm-fails-on-rank-1",
-                "hisparse": "connector",
-                "per_rank": {"1": {"fail": ["trtllm"]}},
-            },
-            {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
-            {
-                "name": "hisparse-differs",
-                "per_rank": {"0": {"hisparse": "connector"}},
-            },
-        ],
-        nnodes=1,
-        ranks_per_node=4,
-        timeout=180,
-    )
-
-
-def test_workspace_failure_on_one_rank_falls_back_on_every_rank(uneven_ranks):
-    results = _every_rank(uneven_ranks, "mnnvl-fails-on-rank-2")
-    for r in results:
-        assert r["workspace"] == r["quant"] == "trtllm"
-        assert r["standalone_ready"]
-        assert r["log"].count("create:mnnvl") == r["log"].count("create:trtllm") == 1
-    for r in results[:2] + results[3:]:
-        assert "destroy:mnnvl" in r["log"], "a workspace the group gave up on"
-
-
-def test_workspace_failure_on_one_rank_with_hisparse_turns_off_every_rank(
-    uneven_ranks,
-):
-    results = _every_rank(uneven_ranks, "hisparse-trtllm-fails-on-rank-1")
-    for r in results:
-        assert r["workspace"] is None and r["quant"] is None
-        assert "create:mnnvl" not in r["log"]
-        # One attempt each for the fusion and the quant workspace, as in 0.33.0.
-        assert r["log"].count("create:trtllm") == 2
-    for r in results[:1] + results[2:]:
-        assert "destroy:trtllm" in r["log"]
-
-
-@pytest.mark.parametrize("case", ["env-differs", "hisparse-differs"])
-def test_flashinfer_auto_backend_ranks_that_disagree_turn_it_off(uneven_ranks, case):
-    for r in _every_rank(uneven_ranks, case):
-        assert r["workspace"] is None and r["quant"] is None
-        assert r["standalone_disabled"]
-        assert r["log"] == [], "no workspace may be attempted"
-        [line] = [m for m in r["messages"] if m.startswith("ERROR")]
-        assert all(f"rank {rank}:" in line for rank in range(4))
-        assert ENV in line
-        assert (
-            _views(line)
-            == {
-                "env-differs": ["mnnvl (may fall back to trtllm)", "trtllm"]
-                + ["mnnvl (may fall back to trtllm)"] * 2,
-                "hisparse-differs": ["trtllm"]
-                + ["mnnvl (may fall back to trtllm)"] * 3,
-            }[case]
-        )
-
-
-def _views(line: str) -> list[str]:
-    """Each rank's view, in rank order, from the disagreement error."""
-    views = line[line.index("(rank 0: ") + 1 : line.index("). Set")]
-    return [view.split(": ", 1)[1] for view in views.split(", rank ")]
-
-
-# --- the process outlives its engines ------------------------------------
-
-
-def test_workspace_destroyed_groups_are_freed_across_reinitialisation():
-    """Per-group caches must not keep destroyed groups, nor their gloo state.
-
-    Repeated LLM() creation in one process tears the distributed state down
-    and builds it again; each group kept alive leaks gloo threads and sockets.
-    """
-    reinit = run_reinit(cycles=3)
-    assert reinit["alive"] == [False, False, False]
-    first, *later = reinit["held"]
-    assert all(held == first for held in later), reinit["held"]
+def test_docs_say_where_the_creation_vote_stops(fi_ar):
+    readme = (tree_imports.REPO_ROOT / "README.md").read_text()
+    docs = (
+        tree_imports.REPO_ROOT / "docs" / "configuration" / "flashinfer_all_reduce.md"
+    ).read_text()
+    troubleshooting = docs[docs.index("## Troubleshooting") :]
+    assert "Ranks always agree" not in readme
+    assert "If creating a workspace fails on any" not in docs
+    for text in (readme, troubleshooting, inspect.getdoc(fi_ar._create_workspace)):
+        assert "before" in text and "rendezvous" in text

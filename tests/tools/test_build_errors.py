@@ -13,9 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import overlay
 import pytest
-from test_precompiled_overlay import (
+import tree_imports
+from synthetic import (
     cached_copy,
     make_overlay,
     make_wheel,
@@ -82,7 +82,7 @@ def _hook_without_tomllib(python: str, pythonpath: str = "") -> subprocess.Popen
     """The first hook pip calls, in a Python without tomllib."""
     code = (
         "import sys; sys.modules['tomllib'] = None; "
-        f"sys.path.insert(0, {str(overlay.REPO_ROOT)!r}); "
+        f"sys.path.insert(0, {str(tree_imports.REPO_ROOT)!r}); "
         "from tools import buildapi as b; b.get_requires_for_build_wheel()"
     )
     env = {**os.environ, "PYTHONPATH": pythonpath}

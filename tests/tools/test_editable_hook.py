@@ -9,14 +9,16 @@ The hook runs in every process of that venv, so it must be safe and cheap.
 
 from pathlib import Path
 
-from test_install_modes import (
-    _run,
+from synthetic import (
+    PATCHED,
     editable_install,
+    make_wheel,
     pip_install,
+    run_limited,
+    scratch_project,
     scratch_venv,
     site_packages,
 )
-from test_precompiled_overlay import PATCHED, _scratch_project, make_wheel
 
 from tools import overlay as overlay_stage
 
@@ -42,7 +44,7 @@ def _module(rel: str | Path) -> str:
 
 def _import_each(python: Path, *names: str) -> list[str]:
     """Import ``names`` in a fresh interpreter: each one's file, or its error."""
-    proc = _run([str(python), "-c", IMPORT_EACH, *names])
+    proc = run_limited([str(python), "-c", IMPORT_EACH, *names])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout.splitlines()
 
@@ -51,7 +53,7 @@ def test_declared_modules_are_the_same_from_wheel_and_editable(
     tmp_path: Path,
 ) -> None:
     base = make_wheel(tmp_path)
-    project = _scratch_project(tmp_path, base, adds=ADDED)
+    project = scratch_project(tmp_path, base, adds=ADDED)
     python = scratch_venv(tmp_path)
     declared = [PATCHED.as_posix(), *ADDED]
     names = [_module(rel) for rel in declared]
@@ -70,7 +72,7 @@ def test_declared_modules_are_the_same_from_wheel_and_editable(
 
 def test_only_dotted_names_inside_the_checkout_load(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
-    project = _scratch_project(tmp_path, base)
+    project = scratch_project(tmp_path, base)
     python = editable_install(tmp_path, project, base)
     outside = tmp_path / "outside.py"
     outside.write_text("print('ran a file outside the checkout')\n")
@@ -89,11 +91,11 @@ def test_only_dotted_names_inside_the_checkout_load(tmp_path: Path) -> None:
 
 def test_pth_adds_at_most_five_modules_to_startup(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
-    python = editable_install(tmp_path, _scratch_project(tmp_path, base), base)
+    python = editable_install(tmp_path, scratch_project(tmp_path, base), base)
     pth = site_packages(python) / overlay_stage.EDITABLE_PTH
 
     def loaded() -> set[str]:
-        proc = _run([str(python), "-c", "import sys; print(*sys.modules)"])
+        proc = run_limited([str(python), "-c", "import sys; print(*sys.modules)"])
         assert proc.returncode == 0, proc.stderr
         return set(proc.stdout.split())
 
@@ -108,12 +110,12 @@ def test_moved_checkout_is_named_when_an_overlaid_module_is_imported(
     tmp_path: Path,
 ) -> None:
     base = make_wheel(tmp_path)
-    project = _scratch_project(tmp_path, base, adds=ADDED)
+    project = scratch_project(tmp_path, base, adds=ADDED)
     python = editable_install(tmp_path, project, base)
     project.rename(tmp_path / "moved")
 
     for rel in [PATCHED, *ADDED]:
-        proc = _run([str(python), "-c", f"import {_module(rel)}"])
+        proc = run_limited([str(python), "-c", f"import {_module(rel)}"])
         assert proc.returncode == 1
         last = proc.stderr.splitlines()[-1]
         assert f"{project}, which is gone" in last, proc.stderr

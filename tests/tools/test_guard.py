@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The guard holds on every path a maintainer takes (issue 13, points 1-8, 11).
+"""The guard holds on every path a maintainer takes.
 
 The promise: no build ships a replaced file with upstream's changes silently
 dropped, and what the tests import is what users run. Each test drives the
@@ -14,22 +14,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-import overlay
 import pytest
-from test_install_modes import scratch_venv
-from test_overlay_patch import (
+import tree_imports
+from synthetic import (
     NEW_VERSION,
     ORIGINAL,
     OURS,
+    PATCHED,
     UPSTREAM_CLASH,
     build,
     commit,
+    copy_tools,
     make_project,
+    make_wheel,
+    read_member,
     refused,
     release,
+    scratch_venv,
     sha,
 )
-from test_precompiled_overlay import PATCHED, copy_tools, make_wheel, read_member
 
 from tools import fetch, pack, util
 from tools.pins import load_pins
@@ -42,7 +45,9 @@ ADDED = "vllm/distributed/device_communicators/new_helper.py"
 
 
 def rebase(project: Path, *flags: str) -> subprocess.CompletedProcess:
-    return overlay.run_tool(project, "rebase", "--base-version", NEW_VERSION, *flags)
+    return tree_imports.run_tool(
+        project, "rebase", "--base-version", NEW_VERSION, *flags
+    )
 
 
 def conflicted(tmp_path: Path, index: Path, ours: str = OURS, new: str = UPSTREAM_BOTH):
@@ -256,7 +261,7 @@ def test_killed_build_leaves_nothing_the_next_build_keeps(
     out = tmp_path / "killed-out"
     out.mkdir()
     script = KILLED_BUILD.format(
-        root=str(overlay.REPO_ROOT), module=module, function=function
+        root=str(tree_imports.REPO_ROOT), module=module, function=function
     )
     args = [str(out), str(project / "pyproject.toml"), str(project / "vllm")]
     scratch = tmp_path / "tmp"  # its temporary folders must not outlive it
@@ -337,7 +342,7 @@ def test_old_pip_prints_no_usage_text(tmp_path: Path, index: Path) -> None:
     base = release(tmp_path, index, "0.33.0", {PATCHED.as_posix(): ORIGINAL})[0]
     python = scratch_venv(tmp_path, with_pip=True)
     code = (
-        f"import sys; sys.path.insert(0, {str(overlay.REPO_ROOT)!r})\n"
+        f"import sys; sys.path.insert(0, {str(tree_imports.REPO_ROOT)!r})\n"
         "from pathlib import Path\n"
         "from tools import fetch\n"
         "print(fetch._pip_download('vllm==0.33.0', Path(sys.argv[1]),"

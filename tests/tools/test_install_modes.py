@@ -10,32 +10,36 @@ import ast
 import gzip
 import importlib.util
 import os
-import subprocess
 import sys
 import tarfile
-import venv
 import zipfile
 from pathlib import Path
 
-import overlay
-import packaging
 import pytest
-import wheel
-from test_precompiled_overlay import (
+import tree_imports
+from synthetic import (
     PATCHED,
     PATCHED_SOURCE,
-    _scratch_project,
+    editable_install,
     make_overlay,
     make_wheel,
     pins_for,
     read_member,
+    run_limited,
+    scratch_project,
+    scratch_venv,
+    site_packages,
 )
 
 from tools import buildapi, check, fetch, pack, util
 from tools.pins import LOCATION_ENV, check_label
 
 TIMEOUT = 180
+
+
 UPSTREAM_NAME = "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+
 BUILT_NAME = "vllm-0.33.0+hisparse1-cp38-abi3-manylinux_2_28_x86_64.whl"
 
 
@@ -46,53 +50,6 @@ def upstream_like(tmp_path: Path) -> Path:
         wheel_tag="cp38-abi3-linux_x86_64",
         file_tags="cp38-abi3-manylinux_2_28_x86_64",
     )
-
-
-def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
-    """A child process with a hard limit; its output is returned for asserts."""
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=TIMEOUT, check=False, **kwargs
-    )
-
-
-def scratch_venv(where: Path, with_pip: bool = False) -> Path:
-    """A venv that sees no vllm but its own; return its python.
-
-    Without ``with_pip`` it has no pip (the outer pip installs into it with
-    ``--python``); with it, Python's bundled pip (ensurepip, offline). It has
-    no system site-packages: the backend's own needs are lent to it from the
-    environment under test through a ``.pth`` file, as a build environment
-    would install them, never from the base interpreter, which may lack them.
-    """
-    env_dir = where / "venv"
-    venv.create(env_dir, with_pip=with_pip)
-    python = env_dir / "bin" / "python"
-    lent = where / "lent"
-    lent.mkdir()
-    for package in (packaging, wheel):
-        (lent / package.__name__).symlink_to(Path(package.__file__).parent)
-    (site_packages(python) / "_lent.pth").write_text(f"{lent}\n")
-    return python
-
-
-def site_packages(python: Path) -> Path:
-    """The site-packages folder of the venv whose interpreter is ``python``."""
-    return next(python.parents[1].glob("lib/python*/site-packages"))
-
-
-def pip_install(python: Path, *args: str, base: Path) -> None:
-    """``pip install ARGS`` into ``python``'s venv, with ``base`` as the base wheel."""
-    env = {**os.environ, LOCATION_ENV: str(base)}
-    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install"]
-    proc = _run([*cmd, "--no-deps", "--no-build-isolation", *args], env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def editable_install(where: Path, project: Path, base: Path) -> Path:
-    """``pip install -e project`` into a fresh scratch venv; return its python."""
-    python = scratch_venv(where)
-    pip_install(python, "-e", str(project), base=base)
-    return python
 
 
 def test_built_wheel_reports_the_local_version(tmp_path: Path, out_dir: Path) -> None:
@@ -141,7 +98,7 @@ def test_stages_are_logged_with_times(
     )
     err = capsys.readouterr().err
     for stage in ("checked the sha256", "hashed the overlay", "packed", "done in"):
-        assert f"precompiled_overlay: {stage}" in err
+        assert f"vllm-overlay: {stage}" in err
     assert " s)\n" in err
 
 
@@ -255,14 +212,14 @@ def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
     raw = names[0].read_bytes()
     assert raw == names[1].read_bytes()  # reproducible
     assert raw[3] & 0x08 == 0  # no file name in the gzip header
-    assert str(overlay.REPO_ROOT).encode() not in gzip.decompress(raw)
+    assert str(tree_imports.REPO_ROOT).encode() not in gzip.decompress(raw)
     assert names[0].name == "vllm-0.33.0+hisparse1.tar.gz"
     with tarfile.open(names[0]) as tar:
         members = tar.getmembers()
         pkg_info = tar.extractfile("vllm-0.33.0+hisparse1/PKG-INFO").read().decode()
     top = "vllm-0.33.0+hisparse1/"
     listed = sorted(m.name.removeprefix(top) for m in members)
-    repo = overlay.REPO_ROOT
+    repo = tree_imports.REPO_ROOT
     expected = ["PKG-INFO", "README.md", "pyproject.toml"]
     expected += [f"tools/{p.name}" for p in pack.backend_modules()]
     expected += [p.as_posix() for p in check.collect_overlay(repo / "vllm")]
@@ -276,7 +233,7 @@ def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
 
 def test_wheel_builds_from_the_sdist(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
-    project = _scratch_project(tmp_path, base)
+    project = scratch_project(tmp_path, base)
     sdist_dir = tmp_path / "sdist"
     sdist_dir.mkdir()
     hooks = _load_backend_of(project)
@@ -287,7 +244,7 @@ def test_wheel_builds_from_the_sdist(tmp_path: Path) -> None:
     out = tmp_path / "wheels"
     env = {**os.environ, LOCATION_ENV: str(base)}
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
-    proc = _run([*cmd, "-w", str(out), str(unpacked)], env=env)
+    proc = run_limited([*cmd, "-w", str(out), str(unpacked)], env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     wheel = _only(out)
     assert wheel.name == "vllm-0.33.0+hisparse1-py3-none-any.whl"
@@ -300,12 +257,12 @@ def test_wheel_builds_from_the_sdist(tmp_path: Path) -> None:
 )
 def test_python_m_build_round_trip(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
-    project = _scratch_project(tmp_path, base)
+    project = scratch_project(tmp_path, base)
     env = {**os.environ, LOCATION_ENV: str(base)}
     out = tmp_path / "built"
     # sdist first, then a wheel built from that sdist: build's default.
     cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out)]
-    proc = _run([*cmd, str(project)], env=env)
+    proc = run_limited([*cmd, str(project)], env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
         "vllm-0.33.0+hisparse1-py3-none-any.whl",
@@ -315,7 +272,7 @@ def test_python_m_build_round_trip(tmp_path: Path) -> None:
 
 def test_editable_install_imports_the_working_tree(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
-    project = _scratch_project(tmp_path, base)
+    project = scratch_project(tmp_path, base)
     python = editable_install(tmp_path, project, base)
 
     module = ".".join(PATCHED.with_suffix("").parts)
@@ -327,7 +284,7 @@ def test_editable_install_imports_the_working_tree(tmp_path: Path) -> None:
 
     def run_probe() -> list[str]:
         # A fresh interpreter each time, as a restarted `vllm serve` is.
-        proc = _run([str(python), "-c", probe], cwd=tmp_path)
+        proc = run_limited([str(python), "-c", probe], cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout.split()
 
@@ -342,7 +299,7 @@ def test_editable_install_imports_the_working_tree(tmp_path: Path) -> None:
     # A module the tree adds later is found too, without reinstalling.
     (tree_file.parent / "added_helper.py").write_text("VALUE = 7\n")
     added = module.rsplit(".", 1)[0] + ".added_helper"
-    proc = _run([str(python), "-c", f"import {added} as a; print(a.VALUE)"])
+    proc = run_limited([str(python), "-c", f"import {added} as a; print(a.VALUE)"])
     assert proc.stdout.strip() == "7", proc.stderr
 
     # The installed tree does not hold a stale copy of the replaced file.
@@ -362,7 +319,7 @@ def _load_backend_of(project: Path):
     class Hooks:
         @staticmethod
         def build_sdist(directory: str) -> str:
-            proc = _run([sys.executable, "-c", code, directory], cwd=project)
+            proc = run_limited([sys.executable, "-c", code, directory], cwd=project)
             assert proc.returncode == 0, proc.stdout + proc.stderr
             return proc.stdout.strip()
 
@@ -379,7 +336,7 @@ def test_no_deps_install_patches_an_existing_vllm_and_can_go_back(
     tmp_path: Path,
 ) -> None:
     base = make_wheel(tmp_path)
-    project = _scratch_project(tmp_path, base)
+    project = scratch_project(tmp_path, base)
     python = str(scratch_venv(tmp_path))
     env = {
         **os.environ,
@@ -393,24 +350,28 @@ def test_no_deps_install_patches_an_existing_vllm_and_can_go_back(
     probe = [python, "-c", code]
 
     def state() -> str:
-        proc = _run(probe)
+        proc = run_limited(probe)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout.strip()
 
     # Stock 0.33.0, like the vllm-openai:v0.33.0 image (which has its deps).
-    assert _run([*pip, "--no-deps", "vllm==0.33.0"], env=env).returncode == 0
+    assert run_limited([*pip, "--no-deps", "vllm==0.33.0"], env=env).returncode == 0
     assert state() == "0.33.0 True"
 
-    proc = _run([*pip, "--no-deps", "--no-build-isolation", str(project)], env=env)
+    proc = run_limited(
+        [*pip, "--no-deps", "--no-build-isolation", str(project)], env=env
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert state() == "0.33.0+hisparse1 False"
 
     # pip counts 0.33.0+hisparse1 as satisfying ==0.33.0, so this does nothing.
-    proc = _run([*pip, "--no-deps", "vllm==0.33.0"], env=env)
+    proc = run_limited([*pip, "--no-deps", "vllm==0.33.0"], env=env)
     assert "already satisfied" in proc.stdout
     assert state() == "0.33.0+hisparse1 False"
 
     # What the README says to do instead.
-    proc = _run([*pip, "--force-reinstall", "--no-deps", "vllm==0.33.0"], env=env)
+    proc = run_limited(
+        [*pip, "--force-reinstall", "--no-deps", "vllm==0.33.0"], env=env
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert state() == "0.33.0 True"

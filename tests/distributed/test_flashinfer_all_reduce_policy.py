@@ -1,40 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The backend decision as data: the pure function, retirement of known
-issues, the explain command and the docs table it generates."""
+"""The policy module: the backend decision as a pure function of its inputs,
+and known FlashInfer issues as data that retires itself."""
 
 import dataclasses
-import json
 import logging
-import os
-import subprocess
-import sys
 from importlib.metadata import version
 
-import overlay
 import pytest
-from fi_ar_utils import ENV, EXPLAIN_MODULE, build_config, workspace_args
+from fi_ar_utils import (
+    build_config,
+    workspace_args,
+)
 
 from vllm.config import set_current_vllm_config
-
-DOCS = overlay.REPO_ROOT / "docs" / "configuration" / "flashinfer_all_reduce.md"
-TABLE_BEGIN = "<!-- decision-table:begin -->\n"
-TABLE_END = "<!-- decision-table:end -->"
-HISPARSE_MULTI_CONNECTOR = json.dumps(
-    {
-        "kv_connector": "MultiConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "connectors": [
-                {
-                    "kv_connector": "HiSparseConnector",
-                    "kv_role": "kv_both",
-                    "kv_connector_extra_config": {"host_pool_gib": 64},
-                }
-            ]
-        },
-    }
-)
 
 
 def _inputs(policy, **overrides):
@@ -188,86 +167,13 @@ def test_every_known_issue_is_checked_past_one_that_does_not_count(policy):
     assert (decision.backend, decision.known_issue) == ("trtllm", "flashinfer#3")
 
 
-# --- explain ---------------------------------------------------------------
-
-
-def _explain(explain, capsys, *argv: str) -> tuple[int, str]:
-    status = explain.main(list(argv))
-    return status, capsys.readouterr().out
-
-
-def test_explain_hisparse_one_node_is_trtllm(explain, capsys):
-    status, out = _explain(explain, capsys, "--capability", "10.0", "--hisparse")
-    assert status == 0
-    assert out.startswith("FlashInfer all-reduce backend: trtllm\n")
-    assert "flashinfer#7782" in out and f"{ENV}=mnnvl to override" in out
-
-
-def test_explain_hisparse_two_nodes_is_off(explain, capsys):
-    status, out = _explain(
-        explain,
-        capsys,
-        *("--nnodes", "2", "--capability", "10.0"),
-        *("--kv-transfer-config", HISPARSE_MULTI_CONNECTOR, "--json"),
+def test_policy_turns_explicit_mnnvl_off_without_multicast(policy):
+    inputs = policy.FiArBackendInputs(
+        setting="mnnvl",
+        node_count=1,
+        device_capability=100,
+        hisparse=False,
+        flashinfer_version=None,
+        multicast=False,
     )
-    explained = json.loads(out)
-    assert status == 0
-    assert explained["backend"] is None
-    assert explained["known_issue"] == "flashinfer#7782"
-    assert explained["inputs"]["hisparse"] is True
-
-
-def test_explain_uses_the_environment_and_flags_a_failing_start(
-    explain, capsys, monkeypatch
-):
-    monkeypatch.setenv(ENV, "trtllm")
-    status, out = _explain(explain, capsys, "--nnodes", "2")
-    assert status == 1
-    assert "cannot span nodes" in out
-
-
-def test_explain_rejects_bad_input(explain, capsys, monkeypatch):
-    with pytest.raises(SystemExit):
-        explain.main(["--kv-transfer-config", "{not json"])
-    assert "invalid --kv-transfer-config" in capsys.readouterr().err
-    monkeypatch.setenv(ENV, "nvlink")
-    with pytest.raises(SystemExit):
-        explain.main([])
-    assert "Valid options" in capsys.readouterr().err
-
-
-def test_docs_decision_table_matches_the_code(explain):
-    page = DOCS.read_text()
-    start = page.index(TABLE_BEGIN) + len(TABLE_BEGIN)
-    documented = page[start : page.index(TABLE_END, start)]
-    assert documented == explain.fi_ar_decision_table(), (
-        f"{DOCS.name} is out of date; regenerate its table with "
-        f"`{explain.EXPLAIN_COMMAND} --table`"
-    )
-
-
-# Last: it starts a new interpreter, the slowest test here, and a mutation
-# run (mutation/cosmic-ray.toml) stops at the first failing test.
-def test_explain_runs_without_a_gpu_as_a_script():
-    """What an operator runs on a laptop: no GPU, no current vLLM config."""
-    env = {k: v for k, v in os.environ.items() if k != ENV}
-    run = (
-        "import overlay, runpy; overlay.install(); "
-        f"runpy.run_module({EXPLAIN_MODULE!r}, run_name='__main__')"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", run, "--nnodes", "2", "--hisparse", "--json"]
-        + ["--capability", "10.0"],
-        capture_output=True,
-        text=True,
-        env={
-            **env,
-            "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": str(overlay.REPO_ROOT / "tests"),
-        },
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    explained = json.loads(proc.stdout)
-    assert explained["backend"] is None
-    assert explained["known_issue"] == "flashinfer#7782"
+    assert policy.decide_fi_ar_backend(inputs).backend is None

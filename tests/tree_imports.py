@@ -27,8 +27,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
-from tools import check, fetch, pins, util  # noqa: E402
-from tools import finder as overlay_finder  # noqa: E402
+from tools import (  # noqa: E402
+    check,
+    fetch,
+    finder,  # noqa: E402
+    pins,
+    util,
+)
 
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
 SOURCES = ("tree", "stock")
@@ -131,7 +136,7 @@ def install(source: str | None = None) -> dict[str, Path]:
         root, files = stock_root(), replaced_files()
         hidden = [_module_name(rel) for rel in added_files()]
     modules = {_module_name(rel): root / rel for rel in files}
-    overlay_finder.install(
+    finder.install(
         root, hidden=hidden, why_hidden="added by this patch; stock vLLM lacks it"
     )
     os.environ[SOURCE_ENV] = source
