@@ -14,13 +14,16 @@ and refuses, listing every reason at once:
   showing upstream's diff, or which upstream no longer ships;
 * an added file that upstream ships, or shadows by another import form (a
   package folder, an extension module, a ``.pyc``), because the installed
-  wheel would then import upstream's module while the tests import ours.
+  wheel would then import upstream's module while the tests import ours;
+* an entry of ``[tool.vllm-overlay.env-choices]`` or ``known-issues`` that
+  names no ``"path:NAME"`` of a declared file.
 
 Every verified original is kept in a small content-addressed store, so a pin
 mismatch can show upstream's diff after the pins moved to a release without
 the old file, and ``rebase`` finds the original its merge starts from.
 """
 
+import ast
 import difflib
 import os
 import re
@@ -29,9 +32,12 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .pins import ADDS_KEY, CLI, REPLACES_TABLE, Pins
+from .pins import ADDS_KEY, CLI, CONFIG_TABLE, REPLACES_TABLE, Pins
 from .util import OverlayError, log, sha256, write_atomic
 
+ENV_CHOICES = f"[tool.{CONFIG_TABLE}.env-choices]"
+KNOWN_ISSUES = f"[tool.{CONFIG_TABLE}.known-issues]"
+ENV_VAR_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
 SKIPPED_DIRS = frozenset({"__pycache__"})
 SKIPPED_SUFFIXES = (".pyc",)
 # The four line kinds of a diff3 conflict that git merge-file leaves.
@@ -82,6 +88,44 @@ def tree_problems(pins: Pins, root: Path, files: Iterable[Path]) -> list[str]:
     ]
     for path in sorted(pins.declared & on_disk):
         problems += broken(path, (root / path).read_bytes())
+    return problems + declared_name_problems(pins)
+
+
+def split_declared_name(value: object) -> tuple[str, str] | None:
+    """``"vllm/a/b.py:NAME"`` -> its path and name; None if it is not one."""
+    if not isinstance(value, str):
+        return None
+    path, _, name = value.rpartition(":")
+    return (path, name) if path.endswith(".py") and name.isidentifier() else None
+
+
+def declared_name_problems(pins: Pins) -> list[str]:
+    """Entries of env-choices and known-issues that name no declared constant."""
+    problems = [
+        f"{ENV_CHOICES}: {var!r} is not an environment variable name"
+        for var in pins.env_choices
+        if not ENV_VAR_RE.fullmatch(var)
+    ]
+    named: list[tuple[str, object]] = [
+        (f"{ENV_CHOICES}: {var}", v) for var, v in pins.env_choices.items()
+    ]
+    if pins.known_issues:
+        keys = set(pins.known_issues)
+        if keys != {"in", "package"} or not isinstance(
+            pins.known_issues["package"], str
+        ):
+            problems.append(
+                f"{KNOWN_ISSUES} must have exactly the keys in and package, e.g. "
+                'in = "vllm/a/policy.py:KNOWN_ISSUES", package = "flashinfer-python"'
+            )
+        named.append((f"{KNOWN_ISSUES}: in", pins.known_issues.get("in")))
+    for where, value in named:
+        found = split_declared_name(value)
+        if found is None or found[0] not in pins.declared:
+            problems.append(
+                f"{where} = {value!r} must name a constant in a declared file "
+                'of the tree, as "vllm/path/to/module.py:NAME"'
+            )
     return problems
 
 
@@ -101,7 +145,7 @@ def broken(path: str, data: bytes) -> list[str]:
     return []
 
 
-def _import_names(members: Iterable[str]) -> dict[str, str]:
+def import_names(members: Iterable[str]) -> dict[str, str]:
     """The modules a wheel's files make importable, each with one such file."""
     names: dict[str, str] = {}
     for member in members:
@@ -128,7 +172,7 @@ def release_problems(pins: Pins, zf: zipfile.ZipFile, wheel: str) -> list[str]:
     """An added file that the release ``zf`` ships or shadows."""
     shipped = set(zf.namelist())
     problems = []
-    names = _import_names(shipped)
+    names = import_names(shipped)
     for path in sorted(pins.adds):
         if path in shipped:
             problems.append(
@@ -314,3 +358,19 @@ def read_release(
         elif (data := copies.pop()) is not None:
             originals[path] = data
     return originals, problems
+
+
+def assigned_value(source: bytes, name: str) -> ast.expr | None:
+    """The expression a module assigns to ``name`` at its top level, if any."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if node.value is not None and any(
+            isinstance(t, ast.Name) and t.id == name for t in targets
+        ):
+            return node.value
+    return None
