@@ -1,17 +1,245 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The couplings to upstream the tree declares in pyproject.toml (check.py).
+"""What ``rebase`` checks that a merge cannot (tools/couplings.py, check.py).
 
-``[tool.vllm-overlay.env-choices]`` and ``known-issues`` name constants of
-the tree as ``"path:NAME"``; an entry that names no declared file is refused
-with the entry's name.
+A release that renames an upstream name the tree uses merges cleanly and
+builds, then fails at import; ``rebase`` refuses it with one line per name.
+The scratch projects (synthetic.py) run on tiny synthetic wheels whose vllm
+modules stand in for upstream's; the last tests scan the real tree against
+the real 0.33.0 sources.
 """
 
-import pytest
-from synthetic import ADDED
+import importlib.util
+import subprocess
+from pathlib import Path
 
-from tools import check
-from tools.pins import Pins
+import pytest
+import tree_imports
+from synthetic import (
+    ADDED,
+    NEW_VERSION,
+    ORIGINAL,
+    OURS,
+    PATCHED,
+    UPSTREAM_CLASH,
+    UPSTREAM_FIX,
+    make_project,
+    release,
+    sha,
+)
+
+from tools import check, couplings, fetch
+from tools.pins import Pins, load_pins
+
+ENVS = """\
+def env_with_choices(env_name, default, choices):
+    return lambda: default
+
+
+environment_variables = {{
+    "VLLM_FLASHINFER_ALLREDUCE_BACKEND": env_with_choices(
+        "VLLM_FLASHINFER_ALLREDUCE_BACKEND", "auto", {choices}
+    ),
+}}
+
+
+def __getattr__(name):
+    return environment_variables[name]()
+"""
+FACTORY = """\
+class KVConnectorFactory:
+    _registry = {}
+
+    @classmethod
+    def supports_hma_config(cls, config):
+        return True
+"""
+PARSER = """\
+class FlexibleArgumentParser:
+    def __init__(self, prog=None, add_json_tip=True):
+        self.prog = prog
+"""
+# Upstream's modules that the tree's added module uses, as in 0.33.0.
+UPSTREAM = {
+    PATCHED.as_posix(): ORIGINAL,
+    "vllm/envs.py": ENVS.format(choices='["auto", "trtllm", "mnnvl"]'),
+    "vllm/distributed/parallel_state.py": "def _node_count(pg):\n    return 1\n",
+    "vllm/distributed/kv_transfer/__init__.py": "",
+    "vllm/distributed/kv_transfer/kv_connector/__init__.py": "",
+    "vllm/distributed/kv_transfer/kv_connector/factory.py": FACTORY,
+    "vllm/utils/__init__.py": "",
+    "vllm/utils/argparse_utils.py": PARSER,
+}
+# An added module that uses one upstream name of each kind.
+HELPER = """\
+import vllm.envs as envs
+from vllm.distributed.parallel_state import _node_count
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+CHOICES = ("auto", "trtllm", "mnnvl")
+
+
+class HelpParser(FlexibleArgumentParser):
+    \"\"\"Takes upstream's __init__, so its keywords are upstream's.\"\"\"
+
+
+def registered(name):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return name in KVConnectorFactory._registry
+
+
+def parser():
+    return HelpParser(prog="explain", add_json_tip=False)
+
+
+def backend(group):
+    return envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND if _node_count(group) else None
+"""
+ENV_CHOICES = (
+    "\n[tool.vllm-overlay.env-choices]\n"
+    f'VLLM_FLASHINFER_ALLREDUCE_BACKEND = "{ADDED}:CHOICES"\n'
+)
+RELEASE = f"vllm=={NEW_VERSION}"
+FIX = (
+    f"Fix: make those files use what {RELEASE} has instead, then run "
+    f"python -m tools rebase --base-version {NEW_VERSION}"
+)
+FACTORY_PATH = "vllm/distributed/kv_transfer/kv_connector/factory.py"
+# What a new release drops, and the one line that names it.
+DROPPED: dict[str, tuple[dict[str, str | None], str]] = {
+    "function": (
+        {"vllm/distributed/parallel_state.py": "def _count_nodes(pg):\n    return 1\n"},
+        "vllm.distributed.parallel_state._node_count is not in vllm==0.34.0",
+    ),
+    "class-attribute": (
+        {FACTORY_PATH: FACTORY.replace("_registry", "_loaders")},
+        (
+            "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory."
+            "_registry is not in vllm==0.34.0"
+        ),
+    ),
+    "keyword": (
+        {"vllm/utils/argparse_utils.py": PARSER.replace(", add_json_tip=True", "")},
+        (
+            "vllm.utils.argparse_utils.FlexibleArgumentParser() takes no keyword "
+            "argument add_json_tip in vllm==0.34.0"
+        ),
+    ),
+    "module": (
+        {FACTORY_PATH: None},
+        "vllm.distributed.kv_transfer.kv_connector.factory is not in vllm==0.34.0",
+    ),
+    "choices": (
+        {"vllm/envs.py": ENVS.format(choices='["auto", "trtllm"]')},
+        (
+            "CHOICES is ('auto', 'trtllm', 'mnnvl'), but vllm/envs.py of "
+            "vllm==0.34.0 declares ['auto', 'trtllm'] for "
+            "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+        ),
+    ),
+}
+
+
+def upstream(changes: dict[str, str | None]) -> dict[str, str]:
+    """UPSTREAM with files changed (a path -> None drops that file)."""
+    files = {**UPSTREAM, **changes}
+    return {path: text for path, text in files.items() if text is not None}
+
+
+def coupled_project(tmp_path: Path, index: Path, new_files: dict[str, str]) -> Path:
+    """A project on 0.33.0 whose added module uses UPSTREAM; 0.34.0 in the index."""
+    old = release(tmp_path, index, "0.33.0", UPSTREAM)
+    release(tmp_path, index, NEW_VERSION, new_files)
+    files = {PATCHED.as_posix(): OURS, ADDED: HELPER}
+    return make_project(tmp_path, old, files, adds=(ADDED,), tables=ENV_CHOICES)
+
+
+def snapshot(project: Path) -> dict[Path, bytes]:
+    return {
+        p: p.read_bytes()
+        for p in project.rglob("*")
+        if p.is_file() and ".git" not in p.parts
+    }
+
+
+def problem_lines(stderr: str) -> list[str]:
+    return [line[2:] for line in stderr.splitlines() if line.startswith("- ")]
+
+
+def rebase(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return tree_imports.run_tool(
+        project, "rebase", "--base-version", NEW_VERSION, *args
+    )
+
+
+@pytest.mark.parametrize("dropped", sorted(DROPPED))
+def test_release_without_a_coupled_name_is_refused(
+    tmp_path: Path, index: Path, dropped: str
+) -> None:
+    changes, line = DROPPED[dropped]
+    project = coupled_project(
+        tmp_path, index, upstream({PATCHED.as_posix(): UPSTREAM_FIX, **changes})
+    )
+    before = snapshot(project)
+
+    proc = rebase(project)
+    assert proc.returncode == 1
+    assert f"error: cannot rebase onto {RELEASE}; nothing was changed:\n" in (
+        proc.stderr
+    )
+    assert problem_lines(proc.stderr) == [f"{ADDED}: {line}"]
+    assert f"{FIX} again (commit them first" in proc.stderr
+    # The clean merge of PATCHED was not written, nor anything else.
+    assert snapshot(project) == before
+
+
+def test_release_with_every_coupled_name_rebases(tmp_path: Path, index: Path) -> None:
+    project = coupled_project(
+        tmp_path, index, upstream({PATCHED.as_posix(): UPSTREAM_FIX})
+    )
+    proc = rebase(project)
+    assert proc.returncode == 0, proc.stderr
+    pins = load_pins(project / "pyproject.toml")
+    assert pins.base_version == NEW_VERSION
+    assert pins.replaces == {PATCHED.as_posix(): sha(UPSTREAM_FIX)}
+    assert "line_9 = 'upstream'" in (project / PATCHED).read_text()
+
+
+def test_continue_checks_the_couplings_too(tmp_path: Path, index: Path) -> None:
+    renamed = "def _count_nodes(pg):\n    return 1\n"
+    project = coupled_project(
+        tmp_path,
+        index,
+        upstream(
+            {
+                PATCHED.as_posix(): UPSTREAM_CLASH,
+                "vllm/distributed/parallel_state.py": renamed,
+            }
+        ),
+    )
+    pyproject = (project / "pyproject.toml").read_bytes()
+    assert rebase(project).returncode == 1  # the conflict
+    resolved = OURS.replace("line_2 = 'ours'", "line_2 = ('ours', 'upstream')")
+    (project / PATCHED).write_text(resolved)
+
+    proc = rebase(project, "--continue")
+    assert proc.returncode == 1
+    assert f"cannot record the rebase onto {RELEASE}; nothing was changed" in (
+        proc.stderr
+    )
+    assert problem_lines(proc.stderr) == [
+        f"{ADDED}: vllm.distributed.parallel_state._node_count is not in vllm==0.34.0"
+    ]
+    assert f"{FIX} --continue again" in proc.stderr
+    assert (project / "pyproject.toml").read_bytes() == pyproject
+    assert (project / PATCHED).read_text() == resolved
+
+    # Ported to the new name, the rebase is recorded.
+    (project / ADDED).write_text(HELPER.replace("_node_count", "_count_nodes"))
+    proc = rebase(project, "--continue")
+    assert proc.returncode == 0, proc.stderr
+    assert load_pins(project / "pyproject.toml").base_version == NEW_VERSION
 
 
 @pytest.mark.parametrize(
@@ -42,3 +270,65 @@ def test_bad_coupling_declarations_are_named(pins: dict, expected: str) -> None:
     declared = Pins("0.33.0", "hisparse1", {}, adds=(ADDED,), **pins)
     problems = check.declared_name_problems(declared)
     assert len(problems) == 1 and expected in problems[0]
+
+
+# The real tree's pins and files, against the real vllm 0.33.0 sources.
+REPO_PINS = load_pins()
+# Read before the fixtures move the cache root to a scratch folder.
+REAL_WHEELS = [
+    fetch.default_cache_dir() / name
+    for name in sorted(REPO_PINS.sha256)
+    if (fetch.default_cache_dir() / name).is_file()
+]
+
+
+def real_tree() -> dict[str, bytes]:
+    return {
+        path: (tree_imports.REPO_ROOT / path).read_bytes()
+        for path in sorted(REPO_PINS.declared)
+    }
+
+
+def test_real_tree_uses_only_names_the_installed_vllm_has() -> None:
+    """Every upstream name the tree uses is in the installed vllm 0.33.0."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    site = Path(next(iter(spec.submodule_search_locations))).parent
+    sources = couplings.Sources.of_folder(site, "vllm", "the installed vllm")
+    scan = couplings.scan_tree(REPO_PINS, real_tree(), sources)
+    assert scan.problems == []
+    found = {(Path(c.path).name, c.name, c.kind) for c in scan.couplings}
+    group = "flashinfer_all_reduce_group.py"
+    explain = "flashinfer_all_reduce_explain.py"
+    factory = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
+    assert {
+        (group, "vllm.distributed.parallel_state._node_count", "function"),
+        (group, "vllm.config.get_current_vllm_config_or_none", "function"),
+        (explain, "vllm.engine.arg_utils.get_kwargs", "function"),
+        (explain, f"{factory}._registry", "class attribute"),
+        (explain, f"{factory}.supports_hma_config", "method"),
+        (
+            explain,
+            "vllm.utils.argparse_utils.FlexibleArgumentParser(add_json_tip=)",
+            "keyword, taken by **kwargs",
+        ),
+        (
+            "flashinfer_all_reduce_policy.py",
+            "vllm/envs.py: VLLM_FLASHINFER_ALLREDUCE_BACKEND",
+            "choices",
+        ),
+    } <= found
+
+
+@pytest.mark.skipif(
+    not REAL_WHEELS,
+    reason="the real vllm 0.33.0 base wheel is not cached here (CI: the "
+    "installed-sources test covers the same scan)",
+)
+def test_real_tree_fits_the_real_base_wheel() -> None:
+    assert (
+        couplings.coupling_problems(
+            REPO_PINS, real_tree(), REAL_WHEELS, REPO_PINS.requirement
+        )
+        == []
+    )
