@@ -22,6 +22,10 @@ tree's files (merged ones as merged) take from upstream, or whose
 ``[tool.vllm-overlay.env-choices]``: such a release merges cleanly and
 builds, then fails at import. One line per problem; nothing is written.
 
+When every wheel of the new release pins the package of
+``[tool.vllm-overlay.known-issues]`` at or above every known issue's
+``fixed_in``, it says in one line that the workaround can be dropped.
+
 A rebase starts only on a tree whose ``vllm/`` and ``pyproject.toml`` are
 committed, so that every piece of advice it prints keeps work recoverable.
 """
@@ -39,11 +43,13 @@ from packaging.version import InvalidVersion, Version
 
 from .check import (
     collect_overlay,
+    known_issues_retired,
     read_release,
     recall,
     remember,
     tree_problems,
     unified_diff,
+    wheel_metadata,
 )
 from .couplings import coupling_problems
 from .fetch import default_cache_dir, fetch_base_wheel, fetch_release
@@ -87,6 +93,7 @@ def rebase(
     new_originals, release_problems = read_release(pins, wheels)
     problems += release_problems
     _refuse(problems, f"cannot rebase onto {pins.name}=={version}")
+    retired = _retired(pins, root, version, wheels.values())
     old_originals = pinned_originals(pins, cache_dir)
     remember(new_originals.values(), cache_dir)
 
@@ -114,6 +121,7 @@ def rebase(
             for path, data in merged.items():
                 write_atomic(root / path, data)
             _report_conflicts(pins, version, {p: n for p, n in conflicts.items() if n})
+            _say(retired)
             return 1
 
     _refuse_missing_couplings(root, pins, version, merged, wheels.values(), resolved)
@@ -133,6 +141,7 @@ def rebase(
         "Next: review with git diff, then pip install . && pytest tests",
         file=sys.stderr,
     )
+    _say(retired)
     return 0
 
 
@@ -174,6 +183,20 @@ def _refuse_missing_couplings(
             "(commit them first: a rebase starts on a committed tree)"
         ),
     )
+
+
+def _retired(pins: Pins, root: Path, version: str, wheels: Iterable[Path]) -> str:
+    """The known-issues line for the new release's wheels, or empty."""
+    metadata = []
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            metadata.append(wheel_metadata(zf))
+    return known_issues_retired(pins, root, metadata, f"{pins.name}=={version}")
+
+
+def _say(line: str) -> None:
+    if line:
+        print(line, file=sys.stderr)
 
 
 def _refuse_uncommitted(root: Path, pins: Pins, version: str) -> None:

@@ -4,9 +4,10 @@
 
 A release that renames an upstream name the tree uses merges cleanly and
 builds, then fails at import; ``rebase`` refuses it with one line per name.
-The scratch projects (synthetic.py) run on tiny synthetic wheels whose vllm
-modules stand in for upstream's; the last tests scan the real tree against
-the real 0.33.0 sources.
+And when the base pins a FlashInfer with every known issue's fix, rebase and
+the build say so in one line. The scratch projects (synthetic.py) run on tiny
+synthetic wheels whose vllm modules stand in for upstream's; the last tests
+scan the real tree against the real 0.33.0 sources.
 """
 
 import importlib.util
@@ -21,8 +22,10 @@ from synthetic import (
     ORIGINAL,
     OURS,
     PATCHED,
+    REQUIRES_DIST,
     UPSTREAM_CLASH,
     UPSTREAM_FIX,
+    build,
     make_project,
     release,
     sha,
@@ -200,6 +203,7 @@ def test_release_with_every_coupled_name_rebases(tmp_path: Path, index: Path) ->
     )
     proc = rebase(project)
     assert proc.returncode == 0, proc.stderr
+    assert "retires the known issues" not in proc.stderr
     pins = load_pins(project / "pyproject.toml")
     assert pins.base_version == NEW_VERSION
     assert pins.replaces == {PATCHED.as_posix(): sha(UPSTREAM_FIX)}
@@ -240,6 +244,125 @@ def test_continue_checks_the_couplings_too(tmp_path: Path, index: Path) -> None:
     proc = rebase(project, "--continue")
     assert proc.returncode == 0, proc.stderr
     assert load_pins(project / "pyproject.toml").base_version == NEW_VERSION
+
+
+KNOWN = "vllm/distributed/device_communicators/known_issues.py"
+KNOWN_SOURCE = """\
+class KnownIssue:
+    def __init__(self, name, fixed_in):
+        self.name, self.fixed_in = name, fixed_in
+
+
+KNOWN_ISSUES = (KnownIssue(name="flashinfer#7782", fixed_in={fixed_in!r}),)
+"""
+KNOWN_ISSUES = (
+    "\n[tool.vllm-overlay.known-issues]\n"
+    f'in = "{KNOWN}:KNOWN_ISSUES"\n'
+    'package = "flashinfer-python"\n'
+)
+OURS_WITH_DROP_WHEN = "# Drop-When: FlashInfer ships the fix\n" + OURS
+
+
+def retired_line(base: str) -> str:
+    return (
+        f"{base} retires the known issues: it pins flashinfer-python==0.7.4, "
+        f"at or above the fixed_in of every entry of {KNOWN}:KNOWN_ISSUES "
+        "(flashinfer#7782 fixed in 0.7.4), so the part of the patch that steers "
+        f"around them can be dropped (see Drop-When in the DEP-3 header of {PATCHED})"
+    )
+
+
+def known_issues_project(
+    tmp_path: Path, index: Path, fixed_in: str | None, pin: str, new: bool
+) -> tuple[Path, list[Path]]:
+    """A project whose known issue has ``fixed_in``, on a base pinning ``pin``.
+
+    With ``new``, 0.34.0 pins it and 0.33.0 pins 0.7.2.post1; else 0.33.0 does.
+    """
+    upstream_pin = "flashinfer-python==0.7.2.post1"
+    old = release(
+        tmp_path,
+        index,
+        "0.33.0",
+        {PATCHED.as_posix(): ORIGINAL},
+        [*REQUIRES_DIST, upstream_pin if new else pin],
+    )
+    if new:
+        release(
+            tmp_path,
+            index,
+            NEW_VERSION,
+            {PATCHED.as_posix(): UPSTREAM_FIX},
+            [*REQUIRES_DIST, pin],
+        )
+    files = {
+        PATCHED.as_posix(): OURS_WITH_DROP_WHEN,
+        KNOWN: KNOWN_SOURCE.format(fixed_in=fixed_in),
+    }
+    project = make_project(tmp_path, old, files, adds=(KNOWN,), tables=KNOWN_ISSUES)
+    return project, old
+
+
+@pytest.mark.parametrize(
+    ("fixed_in", "pin", "retired"),
+    [
+        ("0.7.4", "flashinfer-python==0.7.4", True),
+        (None, "flashinfer-python==0.7.4", False),
+        ("0.7.4", "flashinfer-python==0.7.2.post1", False),
+    ],
+    ids=["fixed-and-pinned", "unfixed", "older-pin"],
+)
+def test_rebase_says_when_the_base_retires_the_known_issues(
+    tmp_path: Path, index: Path, fixed_in: str | None, pin: str, retired: bool
+) -> None:
+    project, _ = known_issues_project(tmp_path, index, fixed_in, pin, new=True)
+    proc = rebase(project)
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "known issues" in line]
+    assert said == ([retired_line(RELEASE)] if retired else [])
+
+
+@pytest.mark.parametrize(
+    ("pin", "retired"),
+    [("flashinfer-python==0.7.4", True), ("flashinfer-python==0.7.2.post1", False)],
+    ids=["fixed", "older"],
+)
+def test_build_says_when_its_base_retires_the_known_issues(
+    tmp_path: Path, index: Path, capsys: pytest.CaptureFixture, pin: str, retired: bool
+) -> None:
+    project, old = known_issues_project(tmp_path, index, "0.7.4", pin, new=False)
+    build(project, old[0], tmp_path)
+    said = [line for line in capsys.readouterr().err.splitlines() if "known" in line]
+    assert said == (
+        [f"vllm-overlay: {retired_line('vllm==0.33.0')}"] if retired else []
+    )
+
+
+@pytest.mark.parametrize(
+    ("requires", "floor"),
+    [
+        (["flashinfer-python==0.7.4"], "0.7.4"),
+        (["flashinfer-python>=0.7.4"], "0.7.4"),
+        (["flashinfer_python>=0.7,<0.8"], "0.7"),
+        (["flashinfer-python>=0.7.2,>=0.7.4"], "0.7.4"),
+        (["flashinfer-python==0.7.*"], "0.7"),
+        (["flashinfer-python<0.8"], None),
+        (["flashinfer-python"], None),
+        ([], None),
+        (
+            ["flashinfer-python==0.7.4", 'flashinfer-python>=0.7.2; extra == "fi"'],
+            "0.7.2",
+        ),
+    ],
+)
+def test_pinned_floor_is_the_lowest_release_allowed(
+    requires: list[str], floor: str | None
+) -> None:
+    metadata = "".join(f"Requires-Dist: {r}\n" for r in ["numpy", *requires])
+    found = check.pinned_floor(
+        f"Name: vllm\n{metadata}\n".encode(), "flashinfer-python"
+    )
+    assert (None if found is None else str(found[1])) == floor
 
 
 @pytest.mark.parametrize(
@@ -331,4 +454,14 @@ def test_real_tree_fits_the_real_base_wheel() -> None:
             REPO_PINS, real_tree(), REAL_WHEELS, REPO_PINS.requirement
         )
         == []
+    )
+
+
+def test_real_known_issues_are_read_statically() -> None:
+    fixes = check.known_issue_fixes(REPO_PINS, tree_imports.REPO_ROOT)
+    assert [name for name, _ in fixes] == ["flashinfer#7782"]
+    # 0.33.0 pins flashinfer-python 0.7.2.post1, which has no fix.
+    metadata = b"Name: vllm\nRequires-Dist: flashinfer-python==0.7.2.post1\n\n"
+    assert (
+        check.known_issues_retired(REPO_PINS, tree_imports.REPO_ROOT, [metadata]) == ""
     )
