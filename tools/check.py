@@ -14,14 +14,23 @@ and refuses, listing every reason at once:
   showing upstream's diff, or which upstream no longer ships;
 * an added file that upstream ships, or shadows by another import form (a
   package folder, an extension module, a ``.pyc``), because the installed
-  wheel would then import upstream's module while the tests import ours.
+  wheel would then import upstream's module while the tests import ours;
+* an entry of ``[tool.vllm-overlay.env-choices]`` or ``known-issues`` that
+  names no ``"path:NAME"`` of a declared file.
+
+When the base wheel pins the package of ``known-issues`` at or above every
+known issue's ``fixed_in`` (read from the tree with ``ast``), it logs one
+line: the workaround for them can be dropped.
 
 Every verified original is kept in a small content-addressed store, so a pin
 mismatch can show upstream's diff after the pins moved to a release without
 the old file, and ``rebase`` finds the original its merge starts from.
 """
 
+import ast
+import contextlib
 import difflib
+import email.parser
 import os
 import re
 import stat
@@ -29,9 +38,18 @@ import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .pins import ADDS_KEY, CLI, REPLACES_TABLE, Pins
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+from .pins import ADDS_KEY, CLI, CONFIG_TABLE, REPLACES_TABLE, Pins
 from .util import OverlayError, log, sha256, write_atomic
 
+ENV_CHOICES = f"[tool.{CONFIG_TABLE}.env-choices]"
+KNOWN_ISSUES = f"[tool.{CONFIG_TABLE}.known-issues]"
+ENV_VAR_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
+# Specifier operators that put a floor under the versions they allow.
+_FLOOR_OPERATORS = ("==", "===", ">=", ">", "~=")
 SKIPPED_DIRS = frozenset({"__pycache__"})
 SKIPPED_SUFFIXES = (".pyc",)
 # The four line kinds of a diff3 conflict that git merge-file leaves.
@@ -82,6 +100,44 @@ def tree_problems(pins: Pins, root: Path, files: Iterable[Path]) -> list[str]:
     ]
     for path in sorted(pins.declared & on_disk):
         problems += broken(path, (root / path).read_bytes())
+    return problems + declared_name_problems(pins)
+
+
+def split_declared_name(value: object) -> tuple[str, str] | None:
+    """``"vllm/a/b.py:NAME"`` -> its path and name; None if it is not one."""
+    if not isinstance(value, str):
+        return None
+    path, _, name = value.rpartition(":")
+    return (path, name) if path.endswith(".py") and name.isidentifier() else None
+
+
+def declared_name_problems(pins: Pins) -> list[str]:
+    """Entries of env-choices and known-issues that name no declared constant."""
+    problems = [
+        f"{ENV_CHOICES}: {var!r} is not an environment variable name"
+        for var in pins.env_choices
+        if not ENV_VAR_RE.fullmatch(var)
+    ]
+    named: list[tuple[str, object]] = [
+        (f"{ENV_CHOICES}: {var}", v) for var, v in pins.env_choices.items()
+    ]
+    if pins.known_issues:
+        keys = set(pins.known_issues)
+        if keys != {"in", "package"} or not isinstance(
+            pins.known_issues["package"], str
+        ):
+            problems.append(
+                f"{KNOWN_ISSUES} must have exactly the keys in and package, e.g. "
+                'in = "vllm/a/policy.py:KNOWN_ISSUES", package = "flashinfer-python"'
+            )
+        named.append((f"{KNOWN_ISSUES}: in", pins.known_issues.get("in")))
+    for where, value in named:
+        found = split_declared_name(value)
+        if found is None or found[0] not in pins.declared:
+            problems.append(
+                f"{where} = {value!r} must name a constant in a declared file "
+                'of the tree, as "vllm/path/to/module.py:NAME"'
+            )
     return problems
 
 
@@ -101,7 +157,7 @@ def broken(path: str, data: bytes) -> list[str]:
     return []
 
 
-def _import_names(members: Iterable[str]) -> dict[str, str]:
+def import_names(members: Iterable[str]) -> dict[str, str]:
     """The modules a wheel's files make importable, each with one such file."""
     names: dict[str, str] = {}
     for member in members:
@@ -128,7 +184,7 @@ def release_problems(pins: Pins, zf: zipfile.ZipFile, wheel: str) -> list[str]:
     """An added file that the release ``zf`` ships or shadows."""
     shipped = set(zf.namelist())
     problems = []
-    names = _import_names(shipped)
+    names = import_names(shipped)
     for path in sorted(pins.adds):
         if path in shipped:
             problems.append(
@@ -181,12 +237,16 @@ def check_base_wheel(
                 originals[path] = data
             else:
                 problems.append(_moved_upstream(path, pin, data, pins, cache_dir))
+        metadata = wheel_metadata(zf)
     if problems:
         raise OverlayError(
             f"the overlay does not fit the base wheel {base_wheel.name}; "
             "nothing was built:\n" + "\n".join(f"- {p}" for p in problems)
         )
     remember(originals.values(), cache_dir)
+    retired = known_issues_retired(pins, overlay_root.parent, [metadata])
+    if retired:
+        log(retired)
     return originals
 
 
@@ -314,3 +374,148 @@ def read_release(
         elif (data := copies.pop()) is not None:
             originals[path] = data
     return originals, problems
+
+
+def wheel_metadata(zf: zipfile.ZipFile) -> bytes:
+    """A wheel's ``*.dist-info/METADATA``; empty if it has none."""
+    for member in zf.namelist():
+        top, _, rest = member.partition("/")
+        if top.endswith(".dist-info") and rest == "METADATA":
+            return zf.read(member)
+    return b""
+
+
+def pinned_floor(metadata: bytes, package: str) -> tuple[str, Version] | None:
+    """The lowest ``package`` release a wheel's Requires-Dist allows, if bounded.
+
+    Every requirement on the package counts (markers and extras too), so the
+    floor is the lowest any of them allows: ``==0.7.4`` and ``>=0.7.4`` give
+    0.7.4; no requirement, or one without a floor (``<1``), gives None.
+    """
+    headers = email.parser.BytesParser().parsebytes(metadata, headersonly=True)
+    floors = []
+    for line in headers.get_all("Requires-Dist") or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(req.name) != canonicalize_name(package):
+            continue
+        bounds = []
+        for spec in req.specifier:
+            if spec.operator in _FLOOR_OPERATORS:
+                with contextlib.suppress(InvalidVersion):
+                    bounds.append(Version(spec.version.removesuffix(".*")))
+        if not bounds:
+            return None
+        floors.append((f"{req.name}{req.specifier}", max(bounds)))
+    return min(floors, key=lambda found: found[1]) if floors else None
+
+
+def assigned_value(source: bytes, name: str) -> ast.expr | None:
+    """The expression a module assigns to ``name`` at its top level, if any."""
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        if node.value is not None and any(
+            isinstance(t, ast.Name) and t.id == name for t in targets
+        ):
+            return node.value
+    return None
+
+
+def known_issue_fixes(pins: Pins, root: Path) -> list[tuple[str, str | None]]:
+    """(name, fixed_in) of each known issue the tree declares, read statically.
+
+    Each entry is a call with a ``fixed_in=`` keyword (a version string, or
+    None while unreleased) inside the constant that known-issues names; the
+    tree is not imported, so this works for any base and without vLLM.
+    """
+    declared = split_declared_name(pins.known_issues.get("in"))
+    if declared is None:
+        return []
+    path, name = declared
+    where = f"{path}: {name} (in of {KNOWN_ISSUES})"
+    value = assigned_value((root / path).read_bytes(), name)
+    if value is None:
+        raise OverlayError(
+            f"{where} is not assigned at module level.\nFix: point in at the "
+            "constant that lists the known issues"
+        )
+    fixes: list[tuple[str, str | None]] = []
+    for node in ast.walk(value):
+        if not isinstance(node, ast.Call):
+            continue
+        keywords = {k.arg: k.value for k in node.keywords if k.arg}
+        if "fixed_in" not in keywords:
+            continue
+        fixed_in = _literal(keywords["fixed_in"])
+        if fixed_in is not None and not _is_version(fixed_in):
+            raise OverlayError(
+                f"{where}: the fixed_in on line {node.lineno} is not a version "
+                'string or None.\nFix: write it as a literal, e.g. fixed_in="0.7.4"'
+            )
+        label = _literal(keywords.get("name", ast.Constant(None)))
+        fixes.append(
+            (
+                label if isinstance(label, str) else f"line {node.lineno}",
+                fixed_in if isinstance(fixed_in, str) else None,
+            )
+        )
+    return fixes
+
+
+def _is_version(value: object) -> bool:
+    try:
+        Version(value)  # type: ignore[arg-type]
+    except (InvalidVersion, TypeError):
+        return False
+    return True
+
+
+def _literal(node: ast.expr) -> object:
+    """A literal's value; Ellipsis for an expression that is not one."""
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return ...
+
+
+def known_issues_retired(
+    pins: Pins, root: Path, metadata: Iterable[bytes], base: str | None = None
+) -> str:
+    """One line when the base pins a release with every known issue's fix.
+
+    ``metadata`` holds the METADATA of each of the base's wheels; every one
+    must pin the package at or above every ``fixed_in``. Empty otherwise.
+    """
+    fixes = known_issue_fixes(pins, root)
+    if not fixes or any(fixed_in is None for _, fixed_in in fixes):
+        return ""
+    needed = max(Version(fixed_in) for _, fixed_in in fixes if fixed_in)
+    pins_found = []
+    for data in metadata:
+        floor = pinned_floor(data, pins.known_issues["package"])
+        if floor is None or floor[1] < needed:
+            return ""
+        pins_found.append(floor[0])
+    if not pins_found:
+        return ""
+    pin = pins_found[0]
+    issues = ", ".join(f"{name} fixed in {fixed_in}" for name, fixed_in in fixes)
+    drop_when = [
+        path
+        for path in sorted(pins.replaces)
+        if re.search(rb"^# Drop-When:", (root / path).read_bytes(), re.M)
+    ]
+    return (
+        f"{base or pins.requirement} retires the known issues: it pins {pin}, "
+        "at or above the fixed_in of every entry of "
+        f"{pins.known_issues['in']} ({issues}), so the part of the patch that "
+        "steers around them can be dropped (see Drop-When in the DEP-3 header "
+        f"of {', '.join(drop_when) or 'the replaced files'})"
+    )

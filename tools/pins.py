@@ -66,6 +66,9 @@ class Pins:
     name: str = DIST_NAME
     replaces: Mapping[str, str] = field(default_factory=dict)
     adds: tuple[str, ...] = ()
+    # Tables that name tree constants coupled to upstream (check.py reads them).
+    env_choices: Mapping[str, str] = field(default_factory=dict)
+    known_issues: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def requirement(self) -> str:
@@ -98,6 +101,8 @@ def load_pins(pyproject: Path = PYPROJECT) -> Pins:
             sha256=dict(table["sha256"]),
             replaces=replaces,
             adds=adds,
+            env_choices=dict(table.get("env-choices", {})),
+            known_issues=dict(table.get("known-issues", {})),
         )
     except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, ValueError) as err:
         raise OverlayError(

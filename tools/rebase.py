@@ -14,6 +14,18 @@ does not conflict with ours: merging upstream's change into it again, taking
 our side of each conflict, must give it back unchanged. So no sequence of
 commands can re-pin a file that lacks one of upstream's changes.
 
+Before it records a release (on a clean merge, and on ``--continue``) it
+reads the new wheels' sources with ``ast`` (``couplings``) and refuses a
+release that lacks a module, name, class attribute or keyword argument the
+tree's files (merged ones as merged) take from upstream, or whose
+``vllm/envs.py`` lists other choices than a tuple the tree declares in
+``[tool.vllm-overlay.env-choices]``: such a release merges cleanly and
+builds, then fails at import. One line per problem; nothing is written.
+
+When every wheel of the new release pins the package of
+``[tool.vllm-overlay.known-issues]`` at or above every known issue's
+``fixed_in``, it says in one line that the workaround can be dropped.
+
 A rebase starts only on a tree whose ``vllm/`` and ``pyproject.toml`` are
 committed, so that every piece of advice it prints keeps work recoverable.
 """
@@ -23,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +43,15 @@ from packaging.version import InvalidVersion, Version
 
 from .check import (
     collect_overlay,
+    known_issues_retired,
     read_release,
     recall,
     remember,
     tree_problems,
     unified_diff,
+    wheel_metadata,
 )
+from .couplings import coupling_problems
 from .fetch import default_cache_dir, fetch_base_wheel, fetch_release
 from .pins import ADDS_KEY, CLI, CONFIG_TABLE, REPLACES_TABLE, Pins, load_pins
 from .util import OverlayError, sha256, sha256_of, write_atomic
@@ -78,6 +93,7 @@ def rebase(
     new_originals, release_problems = read_release(pins, wheels)
     problems += release_problems
     _refuse(problems, f"cannot rebase onto {pins.name}=={version}")
+    retired = _retired(pins, root, version, wheels.values())
     old_originals = pinned_originals(pins, cache_dir)
     remember(new_originals.values(), cache_dir)
 
@@ -105,8 +121,10 @@ def rebase(
             for path, data in merged.items():
                 write_atomic(root / path, data)
             _report_conflicts(pins, version, {p: n for p, n in conflicts.items() if n})
+            _say(retired)
             return 1
 
+    _refuse_missing_couplings(root, pins, version, merged, wheels.values(), resolved)
     wheel_pins = {name: sha256_of(path) for name, path in wheels.items()}
     file_pins = {path: sha256(data) for path, data in new_originals.items()}
     text = _new_pyproject(root / "pyproject.toml", version, wheel_pins, file_pins)
@@ -123,14 +141,62 @@ def rebase(
         "Next: review with git diff, then pip install . && pytest tests",
         file=sys.stderr,
     )
+    _say(retired)
     return 0
 
 
-def _refuse(problems: list[str], what: str) -> None:
+def _refuse(problems: list[str], what: str, fix: str = "") -> None:
     if problems:
         raise OverlayError(
-            f"{what}; nothing was changed:\n" + "\n".join(f"- {p}" for p in problems)
+            f"{what}; nothing was changed:\n"
+            + "\n".join(f"- {p}" for p in problems)
+            + (f"\nFix: {fix}" if fix else "")
         )
+
+
+def _refuse_missing_couplings(
+    root: Path,
+    pins: Pins,
+    version: str,
+    merged: Mapping[str, bytes],
+    wheels: Iterable[Path],
+    resolved: bool,
+) -> None:
+    """Refuse a release that lacks an upstream name the tree's files use.
+
+    The files are read as they would be recorded: merged ones as merged.
+    """
+    release = f"{pins.name}=={version}"
+    tree = {
+        path: merged[path] if path in merged else (root / path).read_bytes()
+        for path in sorted(pins.declared)
+    }
+    command = f"{CLI} rebase --base-version {version}"
+    _refuse(
+        coupling_problems(pins, tree, wheels, release),
+        f"cannot {'record the rebase' if resolved else 'rebase'} onto {release}",
+        f"make those files use what {release} has instead, then run "
+        + (
+            f"{command} --continue again"
+            if resolved
+            else f"{command} again "
+            "(commit them first: a rebase starts on a committed tree)"
+        ),
+    )
+
+
+def _retired(pins: Pins, root: Path, version: str, wheels: Iterable[Path]) -> str:
+    """The known-issues line for the new release's wheels, or empty."""
+    metadata = []
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            metadata.append(wheel_metadata(zf))
+    return known_issues_retired(pins, root, metadata, f"{pins.name}=={version}")
+
+
+def _say(line: str) -> None:
+    if line:
+        print(line, file=sys.stderr)
 
 
 def _refuse_uncommitted(root: Path, pins: Pins, version: str) -> None:

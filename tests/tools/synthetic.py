@@ -15,7 +15,7 @@ import subprocess
 import sys
 import venv
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import packaging
@@ -66,13 +66,14 @@ def make_wheel(
     file_tags: str | None = None,
     init_source: str = "",
     files: Mapping[str, str] | None = None,
+    requires_dist: Sequence[str] = REQUIRES_DIST,
 ) -> Path:
     """Pack a tiny vllm wheel; ``file_tags`` renames it like upstream's files.
 
     Upstream's WHEEL file says ``linux_x86_64`` while its file name says
     ``manylinux_2_28_x86_64``; ``file_tags`` reproduces that mismatch.
     ``files`` maps ``vllm/...`` paths to contents that replace or join the
-    stock ones.
+    stock ones; ``requires_dist`` gives METADATA's Requires-Dist lines.
     """
     tree = where / f"vllm-{version}"
     dist_info = tree / f"vllm-{version}.dist-info"
@@ -86,7 +87,7 @@ def make_wheel(
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_text(text)
     dist_info.mkdir()
-    requires = "".join(f"Requires-Dist: {req}\n" for req in REQUIRES_DIST)
+    requires = "".join(f"Requires-Dist: {req}\n" for req in requires_dist)
     (dist_info / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n{requires}\n"
         "A tiny stand-in for the upstream wheel.\n"
@@ -243,7 +244,11 @@ def sha(text: str | bytes) -> str:
 
 
 def release(
-    tmp_path: Path, index: Path, version: str, files: Mapping[str, str]
+    tmp_path: Path,
+    index: Path,
+    version: str,
+    files: Mapping[str, str],
+    requires_dist: Sequence[str] = REQUIRES_DIST,
 ) -> list[Path]:
     """One upstream release: an x86_64 and an aarch64 wheel, both in the index."""
     wheels = []
@@ -254,15 +259,19 @@ def release(
             wheel_tag=f"cp38-abi3-linux_{arch}",
             file_tags=f"cp38-abi3-manylinux_2_28_{arch}",
             files=files,
+            requires_dist=requires_dist,
         )
         wheels.append(Path(shutil.copy(built, index)))
     return wheels
 
 
 def pyproject_text(
-    wheels: list[Path], replaces: Mapping[str, str], adds: tuple[str, ...] = ()
+    wheels: list[Path],
+    replaces: Mapping[str, str],
+    adds: tuple[str, ...] = (),
+    tables: str = "",
 ) -> str:
-    """The repo's pin tables, trusting ``wheels``."""
+    """The repo's pin tables, trusting ``wheels``; ``tables`` go at the end."""
     version = wheels[0].name.split("-")[1]
     listed = ", ".join(f'"{path}"' for path in adds)
     return (
@@ -280,6 +289,7 @@ def pyproject_text(
         + "\n[tool.vllm-overlay.replaces]\n"
         "# Replaced files, pinned to their upstream originals.\n"
         + "".join(f'"{path}" = "{pin}"\n' for path, pin in replaces.items())
+        + tables
     )
 
 
@@ -289,8 +299,12 @@ def make_project(
     files: Mapping[str, str],
     adds: tuple[str, ...] = (),
     replaces: Mapping[str, str] | None = None,
+    tables: str = "",
 ) -> Path:
-    """A git checkout of the repo's layout: pins, the build tool, a tree."""
+    """A git checkout of the repo's layout: pins, the build tool, a tree.
+
+    ``tables`` are more TOML tables for pyproject.toml, e.g. env-choices.
+    """
     project = tmp_path / "project"
     copy_tools(project)
     for rel, text in files.items():
@@ -298,7 +312,9 @@ def make_project(
         (project / rel).write_text(text)
     if replaces is None:
         replaces = {PATCHED.as_posix(): sha(ORIGINAL)}
-    (project / "pyproject.toml").write_text(pyproject_text(wheels, replaces, adds))
+    (project / "pyproject.toml").write_text(
+        pyproject_text(wheels, replaces, adds, tables)
+    )
     commit(project, "the overlay")
     return project
 
