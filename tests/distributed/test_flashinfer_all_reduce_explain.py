@@ -7,6 +7,7 @@ multicast or an unknown GPU does, runs as a script without a GPU, and
 generates the docs' decision table.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -433,6 +434,31 @@ def test_decision_table_shows_auto_with_and_without_the_fix(explain):
         (">= 0.7.4", "mnnvl (off if no multicast)"),
     ]
     assert ["| `auto`", "1", "SM100", "off", "any"] in [row[:5] for row in rows]
+
+
+@pytest.mark.parametrize(
+    ("fixed_in", "worlds"),
+    [
+        ((None,), [("any", None)]),
+        (("0.7.4", None), [("< 0.7.4", None), (">= 0.7.4", "0.7.4")]),
+        (
+            ("0.10.0", "0.7.4", None, "0.7.4"),
+            [
+                ("< 0.7.4", None),
+                (">= 0.7.4, < 0.10.0", "0.7.4"),
+                (">= 0.10.0", "0.10.0"),
+            ],
+        ),
+    ],
+)
+def test_decision_table_has_one_flashinfer_range_per_fix(
+    explain, policy, monkeypatch, fixed_in, worlds
+):
+    """Each fix release starts a range of releases, in release order."""
+    [issue] = policy.FI_AR_KNOWN_ISSUES
+    issues = tuple(dataclasses.replace(issue, fixed_in=v) for v in fixed_in)
+    monkeypatch.setattr(explain, "FI_AR_KNOWN_ISSUES", issues)
+    assert explain.flashinfer_worlds() == worlds
 
 
 DOCS = tree_imports.REPO_ROOT / "docs" / "configuration" / "flashinfer_all_reduce.md"
