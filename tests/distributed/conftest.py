@@ -3,6 +3,9 @@
 """In-process fixtures for the FlashInfer all-reduce module."""
 
 import importlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ from fi_ar_utils import (
     pin_gpu,
     reset_log_once,
     run_group,
+    write_synthetic_flashinfer,
 )
 
 # The four-rank group fixtures (about a minute each on 2
@@ -89,6 +93,22 @@ def fake_ws(fi_ar, monkeypatch) -> FakeWorkspaceFactory:
         fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
     )
     return factory
+
+
+@pytest.fixture
+def installed_flashinfer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., Path]]:
+    """Install a synthetic flashinfer-python and/or flashinfer-jit-cache of
+    the given versions in front of the real ones, for this test only."""
+
+    def install(**versions: str | None) -> Path:
+        root = write_synthetic_flashinfer(tmp_path / "site", **versions)
+        monkeypatch.syspath_prepend(str(root))
+        return root
+
+    yield install
+    sys.modules.pop("flashinfer_jit_cache", None)
 
 
 @pytest.fixture(scope="session")

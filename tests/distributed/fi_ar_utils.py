@@ -201,6 +201,44 @@ def build_config(hisparse: str = "off"):
     )
 
 
+def write_synthetic_flashinfer(
+    root: Path,
+    *,
+    flashinfer: str | None = None,
+    jit_cache: str | None = None,
+) -> Path:
+    """Install a flashinfer-python and a flashinfer-jit-cache of these
+    versions under `root`, for `root` to go first on sys.path or PYTHONPATH.
+
+    Each is what the real one leaves for the readers that matter: a
+    dist-info (importlib.metadata), and for the jit-cache its
+    `flashinfer_jit_cache` module with the `__version__` and the (here empty)
+    `get_jit_cache_providers()` that FlashInfer's loader reads. No kernels.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    for name, release in (
+        ("flashinfer_python", flashinfer),
+        ("flashinfer_jit_cache", jit_cache),
+    ):
+        if release is None:
+            continue
+        info = root / f"{name}-{release}.dist-info"
+        info.mkdir()
+        distribution = name.replace("_", "-")
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {release}\n"
+        )
+    if jit_cache is not None:
+        package = root / "flashinfer_jit_cache"
+        package.mkdir()
+        (package / "__init__.py").write_text(
+            f"__version__ = {jit_cache!r}\n\n\n"
+            "def get_jit_cache_providers():\n"
+            "    return ()\n"
+        )
+    return root
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

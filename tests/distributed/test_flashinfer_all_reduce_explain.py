@@ -7,6 +7,7 @@ multicast or an unknown GPU does, runs as a script without a GPU, and
 generates the docs' decision table.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -359,6 +360,105 @@ def test_explain_text_names_every_input(explain, capsys, monkeypatch):
         f"  inputs: {ENV}=auto, 1 node(s), GPU unknown, HiSparse off, multicast no, "
         "flashinfer-python not installed"
     )
+
+
+VERSION_CHECK = "FLASHINFER_DISABLE_VERSION_CHECK"
+
+
+@pytest.mark.parametrize("nnodes", ["1", "2"])
+def test_explain_hisparse_with_and_without_the_flashinfer_fix(
+    explain, capsys, monkeypatch, nnodes
+):
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(VERSION_CHECK, raising=False)
+    argv = ("--nnodes", nnodes, "--capability", "10.0", "--hisparse")
+    _, unfixed, _ = _run(explain, capsys, *argv, "--flashinfer-version", "0.7.2.post1")
+    status, fixed, _ = _run(explain, capsys, *argv, "--flashinfer-version", "0.7.4")
+    assert status == 0
+    assert unfixed.startswith(
+        f"FlashInfer all-reduce backend: {'trtllm' if nnodes == '1' else 'off'}\n"
+    )
+    assert "FlashInfer 0.7.4 fixes it: `pip install -C flashinfer=0.7.4 .`" in unfixed
+    assert "the default stays on vLLM's tested pin, 0.7.2.post1" in unfixed
+    assert fixed.startswith("FlashInfer all-reduce backend: mnnvl")
+    assert "flashinfer#7782 override is retired: flashinfer-python 0.7.4" in fixed
+
+
+def test_explain_counts_an_older_jit_cache_only_without_the_version_check(
+    explain, capsys, monkeypatch
+):
+    """As FlashInfer: a jit-cache of another release is ignored unless
+    FLASHINFER_DISABLE_VERSION_CHECK is set in the environment."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(VERSION_CHECK, raising=False)
+    argv = ("--capability", "10.0", "--hisparse", "--flashinfer-version", "0.7.4")
+    argv += ("--flashinfer-jit-cache-version", "0.7.2.post1+cu129")
+    _, checked, _ = _run(explain, capsys, *argv)
+    assert checked.startswith("FlashInfer all-reduce backend: mnnvl")
+    assert checked.splitlines()[2].endswith(
+        "flashinfer-python 0.7.4, flashinfer-jit-cache 0.7.2.post1+cu129"
+    )
+    monkeypatch.setenv(VERSION_CHECK, "1")
+    _, unchecked, _ = _run(explain, capsys, *argv)
+    assert unchecked.startswith("FlashInfer all-reduce backend: trtllm\n")
+    assert (
+        "flashinfer-python 0.7.4 would run the kernels of flashinfer-jit-cache "
+        f"0.7.2.post1+cu129 ({VERSION_CHECK} is set), which lack the fix" in unchecked
+    )
+    assert unchecked.splitlines()[2].endswith(
+        f"flashinfer-jit-cache 0.7.2.post1+cu129 ({VERSION_CHECK} set)"
+    )
+    explained = _json(explain, capsys, *argv)
+    assert explained["inputs"]["flashinfer_jit_cache_version"] == "0.7.2.post1+cu129"
+    assert explained["inputs"]["flashinfer_version_check"] is False
+
+
+def test_explain_takes_the_installed_jit_cache_by_default(
+    explain, capsys, installed_flashinfer
+):
+    installed_flashinfer(jit_cache="0.7.4+cu129")
+    explained = _json(explain, capsys)
+    assert explained["inputs"]["flashinfer_jit_cache_version"] == "0.7.4+cu129"
+    explained = _json(explain, capsys, "--flashinfer-jit-cache-version", "")
+    assert explained["inputs"]["flashinfer_jit_cache_version"] is None
+
+
+def test_decision_table_shows_auto_with_and_without_the_fix(explain):
+    table = explain.fi_ar_decision_table()
+    rows = [line.split(" | ")[:6] for line in table.splitlines()[2:]]
+    auto_hisparse_two_nodes = [
+        (row[4], row[5]) for row in rows if row[:4] == ["| `auto`", "2", "SM100", "on"]
+    ]
+    assert auto_hisparse_two_nodes == [
+        ("< 0.7.4", "off"),
+        (">= 0.7.4", "mnnvl (off if no multicast)"),
+    ]
+    assert ["| `auto`", "1", "SM100", "off", "any"] in [row[:5] for row in rows]
+
+
+@pytest.mark.parametrize(
+    ("fixed_in", "worlds"),
+    [
+        ((None,), [("any", None)]),
+        (("0.7.4", None), [("< 0.7.4", None), (">= 0.7.4", "0.7.4")]),
+        (
+            ("0.10.0", "0.7.4", None, "0.7.4"),
+            [
+                ("< 0.7.4", None),
+                (">= 0.7.4, < 0.10.0", "0.7.4"),
+                (">= 0.10.0", "0.10.0"),
+            ],
+        ),
+    ],
+)
+def test_decision_table_has_one_flashinfer_range_per_fix(
+    explain, policy, monkeypatch, fixed_in, worlds
+):
+    """Each fix release starts a range of releases, in release order."""
+    [issue] = policy.FI_AR_KNOWN_ISSUES
+    issues = tuple(dataclasses.replace(issue, fixed_in=v) for v in fixed_in)
+    monkeypatch.setattr(explain, "FI_AR_KNOWN_ISSUES", issues)
+    assert explain.flashinfer_worlds() == worlds
 
 
 DOCS = tree_imports.REPO_ROOT / "docs" / "configuration" / "flashinfer_all_reduce.md"

@@ -10,6 +10,9 @@ different things.
 """
 
 import importlib
+import logging
+import os
+import sys
 from importlib.metadata import PackageNotFoundError
 from typing import Any
 
@@ -20,10 +23,12 @@ from fi_ar_utils import (
     CollectiveCounter,
     build_config,
     every_rank,
+    namespaces_unavailable,
     pin_gpu,
     run_group,
     run_reinit,
     workspace_args,
+    write_synthetic_flashinfer,
 )
 
 from vllm.config import set_current_vllm_config
@@ -51,6 +56,173 @@ def test_flashinfer_auto_backend_inputs_from_the_platform(fi_ar, monkeypatch):
 
     monkeypatch.setattr(group, "version", not_installed)
     assert group.installed_flashinfer_version() is None
+
+
+VERSION_CHECK = "FLASHINFER_DISABLE_VERSION_CHECK"
+
+
+def test_flashinfer_jit_cache_is_read_as_flashinfer_reads_it(
+    fi_ar, installed_flashinfer, monkeypatch
+):
+    """The version of an importable `flashinfer_jit_cache` module, or None."""
+    group = importlib.import_module(GROUP_MODULE)
+    assert group.installed_flashinfer_jit_cache_version() is None
+    installed_flashinfer(jit_cache="0.7.2.post1+cu129")
+    assert group.installed_flashinfer_jit_cache_version() == "0.7.2.post1+cu129"
+
+
+@pytest.mark.parametrize(
+    "init", ["raise RuntimeError('broken shim')\n", "VERSION = '0.7.4'\n"]
+)
+def test_a_flashinfer_jit_cache_flashinfer_cannot_read_counts_as_none(
+    fi_ar, tmp_path, monkeypatch, init
+):
+    """FlashInfer's own import fails on it, so none of its kernels run."""
+    group = importlib.import_module(GROUP_MODULE)
+    package = tmp_path / "flashinfer_jit_cache"
+    package.mkdir()
+    (package / "__init__.py").write_text(init)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer_jit_cache", raising=False)
+    try:
+        assert group.installed_flashinfer_jit_cache_version() is None
+    finally:
+        sys.modules.pop("flashinfer_jit_cache", None)
+
+
+@pytest.mark.parametrize(
+    ("value", "check"), [(None, True), ("", True), ("1", False), ("0", False)]
+)
+def test_flashinfer_version_check_is_read_as_flashinfer_reads_it(
+    fi_ar, monkeypatch, value, check
+):
+    """Any non-empty value turns FlashInfer's check off, "0" included."""
+    group = importlib.import_module(GROUP_MODULE)
+    if value is None:
+        monkeypatch.delenv(VERSION_CHECK, raising=False)
+    else:
+        monkeypatch.setenv(VERSION_CHECK, value)
+    assert group.flashinfer_version_check() is check
+
+
+def _startup_line(caplog) -> str:
+    [line] = [r.getMessage() for r in caplog.records if "backend for" in r.getMessage()]
+    return line
+
+
+@pytest.mark.parametrize("release", ["0.7.4", "0.7.4.post1", "0.8.0"])
+def test_hisparse_gets_mnnvl_on_an_installed_flashinfer_with_the_fix(
+    fi_ar, fake_ws, cpu_group, caplog, installed_flashinfer, monkeypatch, release
+):
+    monkeypatch.delenv(VERSION_CHECK, raising=False)
+    installed_flashinfer(flashinfer=release)
+    caplog.set_level(logging.INFO)
+    with set_current_vllm_config(build_config("connector")):
+        ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+        quant = fi_ar.get_fi_ar_quant_workspace(**workspace_args(cpu_group))
+    assert ws.backend == "mnnvl" and quant is ws
+    assert fake_ws.attempts == ["mnnvl"]
+    line = _startup_line(caplog)
+    assert line.startswith("FlashInfer all-reduce backend for ranks (0,): mnnvl (auto")
+    assert (
+        f"the flashinfer#7782 override is retired: flashinfer-python {release} has "
+        "the fix" in line
+    )
+
+
+@pytest.mark.parametrize("release", ["0.7.2.post1", "0.7.3"])
+def test_hisparse_on_an_installed_flashinfer_without_the_fix_names_it(
+    fi_ar, fake_ws, cpu_group, caplog, installed_flashinfer, release
+):
+    installed_flashinfer(flashinfer=release)
+    caplog.set_level(logging.INFO)
+    with set_current_vllm_config(build_config("connector")):
+        assert fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group)).backend == (
+            "trtllm"
+        )
+    line = _startup_line(caplog)
+    assert "FlashInfer 0.7.4 fixes it: `pip install -C flashinfer=0.7.4 .`" in line
+    assert "the default stays on vLLM's tested pin, 0.7.2.post1" in line
+
+
+@pytest.mark.parametrize("version_check", ["on", "off"])
+def test_hisparse_counts_the_older_jit_cache_flashinfer_would_load(
+    fi_ar, fake_ws, cpu_group, caplog, installed_flashinfer, monkeypatch, version_check
+):
+    """0.7.4's Python, with the version check off, runs the kernels of an
+    installed 0.7.2.post1 jit-cache, race included."""
+    installed_flashinfer(flashinfer="0.7.4", jit_cache="0.7.2.post1+cu129")
+    if version_check == "off":
+        monkeypatch.setenv(VERSION_CHECK, "1")
+    else:
+        monkeypatch.delenv(VERSION_CHECK, raising=False)
+    caplog.set_level(logging.INFO)
+    with set_current_vllm_config(build_config("connector")):
+        ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    line = _startup_line(caplog)
+    if version_check == "on":
+        assert ws.backend == "mnnvl"
+        assert "retired" in line
+        return
+    assert ws.backend == "trtllm"
+    assert fake_ws.attempts == ["trtllm"]
+    assert (
+        "flashinfer-python 0.7.4 would run the kernels of flashinfer-jit-cache "
+        f"0.7.2.post1+cu129 ({VERSION_CHECK} is set), which lack the fix" in line
+    )
+
+
+@pytest.fixture(scope="module")
+def fi074_two_nodes(tmp_path_factory) -> list[dict[str, dict[str, Any]]]:
+    """One rank on each of two nodes, with flashinfer-python 0.7.4 and an
+    older flashinfer-jit-cache installed (a synthetic one, first on
+    PYTHONPATH); each case is a new group."""
+    if (why := namespaces_unavailable()) is not None:
+        pytest.skip(f"two nodes are simulated with mount namespaces: {why}")
+    site = write_synthetic_flashinfer(
+        tmp_path_factory.mktemp("fi074") / "site",
+        flashinfer="0.7.4",
+        jit_cache="0.7.2.post1+cu129",
+    )
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", path)
+        patch.delenv(VERSION_CHECK, raising=False)
+        return run_group(
+            [
+                {"name": "hisparse", "hisparse": "connector"},
+                {
+                    "name": "hisparse-jit-cache-unchecked",
+                    "hisparse": "connector",
+                    "env": {VERSION_CHECK: "1"},
+                },
+            ],
+            nnodes=2,
+            ranks_per_node=1,
+            timeout=120,
+        )
+
+
+def test_hisparse_multi_node_blackwell_gets_mnnvl_on_flashinfer_0_7_4(
+    fi074_two_nodes,
+):
+    for r in every_rank(fi074_two_nodes, "hisparse"):
+        assert r["workspace"] == r["quant"] == "mnnvl"
+        assert not r["standalone_disabled"]
+        [line] = [m for m in r["messages"] if "all-reduce backend for" in m]
+        assert ": mnnvl (auto, 2 nodes on Blackwell" in line
+        assert "override is retired: flashinfer-python 0.7.4 has the fix" in line
+
+
+def test_hisparse_multi_node_stays_off_on_an_older_jit_cache(
+    fi074_two_nodes,
+):
+    for r in every_rank(fi074_two_nodes, "hisparse-jit-cache-unchecked"):
+        assert r["workspace"] is None and r["quant"] is None
+        assert r["log"] == [], "no workspace may be attempted"
+        [line] = [m for m in r["messages"] if "all-reduce backend for" in m]
+        assert ": off (auto, HiSparse is on" in line
+        assert "flashinfer-jit-cache 0.7.2.post1+cu129" in line
 
 
 def test_flashinfer_auto_backend_hisparse_off_without_current_config(

@@ -9,6 +9,7 @@ from importlib.metadata import version
 
 import pytest
 from fi_ar_utils import (
+    ENV,
     build_config,
     workspace_args,
 )
@@ -78,6 +79,176 @@ def test_hisparse_override_retires_once_flashinfer_has_the_fix(
     assert decision.allow_trtllm_fallback is (backend == "mnnvl")
 
 
+UNFIXED = ["0.7.2.post1", "0.7.3"]
+FIXED = ["0.7.4", "0.7.4.post1", "0.8.0"]
+
+
+@pytest.mark.parametrize("release", UNFIXED + FIXED)
+@pytest.mark.parametrize("node_count", [1, 2])
+def test_hisparse_override_is_retired_on_the_release_with_the_fix(
+    policy, release, node_count
+):
+    """flashinfer-python 0.7.4 fixes flashinfer#7782: from there on, `auto`
+    makes 0.33.0's own choice with HiSparse, on one node and across nodes."""
+    inputs = _inputs(
+        policy, hisparse=True, node_count=node_count, flashinfer_version=release
+    )
+    decision = policy.decide_fi_ar_backend(inputs)
+    without_hisparse = policy.decide_fi_ar_backend(
+        dataclasses.replace(inputs, hisparse=False)
+    )
+    if release in FIXED:
+        assert (decision.backend, decision.allow_trtllm_fallback) == (
+            without_hisparse.backend,
+            without_hisparse.allow_trtllm_fallback,
+        )
+        assert decision.backend == "mnnvl"
+        assert decision.known_issue is None
+        assert decision.reason.startswith(without_hisparse.reason + "; ")
+        assert (
+            f"the flashinfer#7782 override is retired: flashinfer-python {release} "
+            "has the fix (0.7.4 and newer: " in decision.reason
+        )
+    else:
+        assert decision.backend == ("trtllm" if node_count == 1 else None)
+        assert decision.known_issue == "flashinfer#7782"
+        assert "retired" not in decision.reason
+
+
+@pytest.mark.parametrize("setting", ["auto", "mnnvl"])
+@pytest.mark.parametrize("node_count", [1, 2])
+def test_hisparse_on_flashinfer_without_the_fix_names_the_fix(
+    policy, setting, node_count
+):
+    """The line says which release fixes the race and how to install this
+    build with it, and that the default stays on vLLM's tested pin."""
+    decision = policy.decide_fi_ar_backend(
+        _inputs(policy, setting=setting, hisparse=True, node_count=node_count)
+    )
+    assert decision.known_issue == "flashinfer#7782"
+    command = policy.FIXED_FLASHINFER_INSTALL_COMMAND
+    assert command == "pip install -C flashinfer=0.7.4 ."
+    assert (
+        "FlashInfer 0.7.4 fixes it: `pip install -C flashinfer=0.7.4 .` in this "
+        "build's source tree installs this build with it; the default stays on "
+        "vLLM's tested pin, 0.7.2.post1" in decision.reason
+    )
+    assert "\n" not in decision.reason
+    if setting == "auto":
+        assert decision.reason.endswith(f"Set {ENV}=mnnvl to override")
+
+
+def test_explicit_mnnvl_with_hisparse_is_no_risk_on_the_fixed_release(policy):
+    decision = policy.decide_fi_ar_backend(
+        _inputs(policy, setting="mnnvl", hisparse=True, flashinfer_version="0.7.4")
+    )
+    assert decision.backend == "mnnvl"
+    assert decision.known_issue is None
+    assert "known to crash" not in decision.reason
+
+
+def test_the_flashinfer_7782_entry_says_where_its_fix_is(policy):
+    [issue] = [i for i in policy.FI_AR_KNOWN_ISSUES if i.name == "flashinfer#7782"]
+    assert issue.fixed_in == "0.7.4"
+    assert "LamportFlags::ctaArrive()" in issue.fix
+
+
+JIT_CACHE_NOTE = (
+    "flashinfer-python {installed} would run the kernels of flashinfer-jit-cache "
+    "{jit_cache} (FLASHINFER_DISABLE_VERSION_CHECK is set)"
+)
+
+
+@pytest.mark.parametrize(
+    ("installed", "jit_cache", "version_check", "counted"),
+    [
+        ("0.7.4", None, True, "0.7.4"),
+        ("0.7.4", None, False, "0.7.4"),
+        # FlashInfer ignores a jit-cache of another release...
+        ("0.7.4", "0.7.2.post1+cu129", True, "0.7.4"),
+        # ...unless its version check is off: then the older release counts.
+        ("0.7.4", "0.7.2.post1+cu129", False, "0.7.2.post1+cu129"),
+        ("0.8.0", "0.7.4+cu130", False, "0.7.4+cu130"),
+        ("0.7.2.post1", "0.7.4+cu129", False, "0.7.2.post1"),
+        # Its own release, a CUDA suffix added, is the same kernels.
+        ("0.7.4", "0.7.4+cu129", False, "0.7.4"),
+        ("0.7.4", "0.7.4", False, "0.7.4"),
+        # PEP 440 reads these as one release: it is not another.
+        ("0.7.4", "0.7.4.0", False, "0.7.4"),
+        # A release nobody can read is never taken for a fix...
+        ("0.7.4", "local-build", False, "local-build"),
+        ("local-build", "0.7.4+cu129", False, "local-build"),
+        (None, "0.7.4+cu129", False, None),
+        # ...but FlashInfer's own test still tells its own jit-cache apart.
+        ("local-build", "local-build", False, "local-build"),
+        ("local-build", "local-build+cu129", False, "local-build"),
+    ],
+)
+def test_kernel_release_is_the_one_whose_kernels_will_run(
+    policy, installed, jit_cache, version_check, counted
+):
+    inputs = _inputs(
+        policy,
+        flashinfer_version=installed,
+        flashinfer_jit_cache_version=jit_cache,
+        flashinfer_version_check=version_check,
+    )
+    release, note = policy.kernel_release(inputs)
+    assert release == counted
+    if counted == installed:
+        assert note is None
+    else:
+        assert note == JIT_CACHE_NOTE.format(installed=installed, jit_cache=jit_cache)
+
+
+@pytest.mark.parametrize("node_count", [1, 2])
+def test_hisparse_override_stays_for_an_older_jit_cache_flashinfer_loads(
+    policy, node_count
+):
+    """flashinfer-python 0.7.4 with the version check off runs an older
+    jit-cache's kernels, which still have the race."""
+    inputs = _inputs(
+        policy,
+        hisparse=True,
+        node_count=node_count,
+        flashinfer_version="0.7.4",
+        flashinfer_jit_cache_version="0.7.2.post1+cu129",
+        flashinfer_version_check=False,
+    )
+    decision = policy.decide_fi_ar_backend(inputs)
+    assert decision.backend == ("trtllm" if node_count == 1 else None)
+    assert decision.known_issue == "flashinfer#7782"
+    note = JIT_CACHE_NOTE.format(installed="0.7.4", jit_cache="0.7.2.post1+cu129")
+    assert (
+        f"{note}, which lack the fix of 0.7.4: unset FLASHINFER_DISABLE_VERSION_CHECK"
+        in decision.reason
+    )
+    assert "pip install" not in decision.reason
+    explicit = policy.decide_fi_ar_backend(dataclasses.replace(inputs, setting="mnnvl"))
+    assert explicit.known_issue == "flashinfer#7782"
+    assert note in explicit.reason
+    # The same jit-cache, checked, is ignored: 0.7.4's own kernels run.
+    checked = policy.decide_fi_ar_backend(
+        dataclasses.replace(inputs, flashinfer_version_check=True)
+    )
+    assert checked.backend == "mnnvl" and "retired" in checked.reason
+
+
+def test_retired_by_a_jit_cache_says_whose_kernels_have_the_fix(policy):
+    decision = policy.decide_fi_ar_backend(
+        _inputs(
+            policy,
+            hisparse=True,
+            flashinfer_version="0.8.0",
+            flashinfer_jit_cache_version="0.7.4+cu130",
+            flashinfer_version_check=False,
+        )
+    )
+    assert decision.backend == "mnnvl"
+    note = JIT_CACHE_NOTE.format(installed="0.8.0", jit_cache="0.7.4+cu130")
+    assert f"override is retired: {note}, which have the fix (0.7.4" in decision.reason
+
+
 @pytest.mark.parametrize("installed", ["local-build", "0.7.2-dirty-abc", ""])
 def test_hisparse_override_stays_for_an_unparseable_flashinfer_version(
     policy, installed
@@ -105,7 +276,7 @@ def test_hisparse_override_retirement_is_logged(
     [line] = [r.getMessage() for r in caplog.records if "backend for" in r.getMessage()]
     assert ("retired" in line) is fixed
     if fixed:
-        assert f"flashinfer-python {installed} >= {fixed_in}" in line
+        assert f"flashinfer-python {installed} has the fix ({fixed_in} and" in line
 
 
 def test_retired_hisparse_override_still_falls_back_without_multicast(

@@ -1,19 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-# Description: Keep HiSparse off FlashInfer's MNNVL all-reduce; make every
-#  rank of a group take the same path.
+# Description: Keep HiSparse off FlashInfer's MNNVL all-reduce while the
+#  FlashInfer kernels that will run lack the fix; make every rank of a group
+#  take the same path.
 #  HiSparse's host gathers set off a cluster-barrier race in FlashInfer's
 #  MNNVL fused all-reduce ("CUDA error: unspecified launch failure", 7 of 7
-#  runs on 8xB200 TP8). The backend is now decided by
-#  flashinfer_all_reduce_policy.decide_fi_ar_backend: with HiSparse on and
-#  VLLM_FLASHINFER_ALLREDUCE_BACKEND=auto, one node uses trtllm and a
-#  multi-node group turns FlashInfer all-reduce off (trtllm cannot span
-#  nodes); an explicit backend is obeyed, with a warning for mnnvl.
+#  runs on 8xB200 TP8). flashinfer-python 0.7.4 fixes it (every thread waits
+#  in LamportFlags::ctaArrive(), flashinfer/comm/trtllm_mnnvl_allreduce.cuh);
+#  vllm 0.33.0 pins 0.7.2.post1. The backend is now decided by
+#  flashinfer_all_reduce_policy.decide_fi_ar_backend: with HiSparse on,
+#  VLLM_FLASHINFER_ALLREDUCE_BACKEND=auto and kernels older than 0.7.4 (those
+#  of flashinfer-python, or of an older flashinfer-jit-cache that
+#  FLASHINFER_DISABLE_VERSION_CHECK lets FlashInfer load), one node uses
+#  trtllm and a multi-node group turns FlashInfer all-reduce off (trtllm
+#  cannot span nodes). On 0.7.4 and newer the override is retired (the
+#  flashinfer#7782 entry of FI_AR_KNOWN_ISSUES has fixed_in="0.7.4"): `auto`
+#  makes 0.33.0's own choice and the start-up line says so. An explicit
+#  backend is obeyed, with a warning for mnnvl on kernels without the fix.
 #  Workspace creation is collective, so flashinfer_all_reduce_group makes
 #  the ranks agree on that decision once per group (off if they differ),
 #  keeps it across destroy_fi_ar_workspace(), counts nodes once per group,
-#  and has the ranks vote on each creation (see _create_workspace).
+#  and has the ranks vote on each creation (see _create_workspace). This
+#  fixes a start-up hang that stock 0.33.0 has with or without HiSparse.
 #  Changes here: _resolve_fi_ar_backend delegates to that module,
 #  _node_count is its per-group cached count, and _create_workspace wraps
 #  upstream's (renamed _create_workspace_on_rank) with the vote.
@@ -24,13 +33,17 @@
 # Bug: https://github.com/vllm-project/vllm/issues/64327
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
 # Origin: vendor
-# Forwarded: https://github.com/vllm-project/vllm/issues/64327
+# Forwarded: https://github.com/vllm-project/vllm/issues/64327 (the HiSparse
+#  override); not yet (the rank agreement and the creation vote)
 # Base: vllm==0.33.0
-# Last-Update: 2026-11-30
+# Last-Update: 2026-12-01
 # Applied-Upstream: no
-# Drop-When: vLLM upstream keeps HiSparse off MNNVL itself (vllm#64327), or
-#  the pinned flashinfer-python ships the fix for flashinfer#7782 (set
-#  `fixed_in` on its FI_AR_KNOWN_ISSUES entry; the override then retires).
+# Drop-When: the HiSparse override, once the flashinfer-python that vLLM
+#  pins is 0.7.4 or newer (the override is then retired on every install of
+#  that base), or once vLLM upstream keeps HiSparse off MNNVL itself
+#  (vllm#64327); the rank agreement and the creation vote, once upstream
+#  vLLM makes the ranks of a group agree on the backend and on each
+#  workspace creation.
 
 import atexit
 import os

@@ -6,8 +6,8 @@
 
     python -m vllm.distributed.device_communicators.flashinfer_all_reduce_explain
 
-prints the backend for a deployment (nodes, GPU, HiSparse) and why, and
-`--table` prints the decision table of the docs.
+prints the backend for a deployment (nodes, GPU, HiSparse, FlashInfer) and
+why, and `--table` prints the decision table of the docs.
 """
 
 import argparse
@@ -19,17 +19,22 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from packaging.version import Version
 from pydantic import ValidationError
 
 import vllm.envs as envs
 from vllm.config import AttentionConfig, KVTransferConfig, VllmConfig
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     device_capability,
+    flashinfer_version_check,
+    installed_flashinfer_jit_cache_version,
     installed_flashinfer_version,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FI_AR_BACKEND_CHOICES,
     FI_AR_BACKEND_ENV,
+    FI_AR_KNOWN_ISSUES,
+    FLASHINFER_VERSION_CHECK_ENV,
     MNNVL_MULTI_NODE_MIN_CAPABILITY,
     FiArBackendInputs,
     backend_span_error,
@@ -159,35 +164,64 @@ def _describe_backend(explained: dict[str, Any]) -> str:
     return backend
 
 
+def flashinfer_worlds() -> list[tuple[str, str | None]]:
+    """The FlashInfer releases the known issues tell apart, for the table.
+
+    Each is a label for a range of releases and one release in it: before
+    the first fix, that release is unknown (None), which no known issue
+    counts as fixed.
+    """
+    fixes = sorted(
+        {issue.fixed_in for issue in FI_AR_KNOWN_ISSUES if issue.fixed_in},
+        key=Version,
+    )
+    if not fixes:
+        return [("any", None)]
+    worlds: list[tuple[str, str | None]] = [(f"< {fixes[0]}", None)]
+    for fix, later in zip(fixes, [*fixes[1:], None], strict=True):
+        label = f">= {fix}" if later is None else f">= {fix}, < {later}"
+        worlds.append((label, fix))
+    return worlds
+
+
 def fi_ar_decision_table() -> str:
     """The decision across its input matrix, as a Markdown table for docs.
 
-    Multicast is left unknown, as it is at start-up, and FlashInfer is
-    taken to be a release without the fixes in FI_AR_KNOWN_ISSUES.
+    Multicast is left unknown, as it is at start-up, and there is no
+    flashinfer-jit-cache. A row that FlashInfer's release changes is given
+    once per release range of `flashinfer_worlds`; the others read "any".
     """
+    columns = [f"`{FI_AR_BACKEND_ENV}`", "Nodes", "GPU", "HiSparse", "FlashInfer"]
+    columns += ["Backend", "Why"]
     lines = [
-        f"| `{FI_AR_BACKEND_ENV}` | Nodes | GPU | HiSparse | Backend | Why |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"| {' | '.join(columns)} |",
+        f"|{' --- |' * len(columns)}",
     ]
+    worlds = flashinfer_worlds()
     for setting in FI_AR_BACKEND_CHOICES:
         for node_count in (1, 2):
             for capability in (90, 100):
                 for hisparse in (False, True):
-                    explained = explain_fi_ar_backend(
-                        FiArBackendInputs(
-                            setting=setting,
-                            node_count=node_count,
-                            device_capability=capability,
-                            hisparse=hisparse,
-                            flashinfer_version=None,
+                    rows = {}
+                    for label, release in worlds:
+                        explained = explain_fi_ar_backend(
+                            FiArBackendInputs(
+                                setting=setting,
+                                node_count=node_count,
+                                device_capability=capability,
+                                hisparse=hisparse,
+                                flashinfer_version=release,
+                            )
                         )
-                    )
-                    why = explained["error"] or explained["reason"]
-                    lines.append(
-                        f"| `{setting}` | {node_count} | SM{capability} | "
-                        f"{'on' if hisparse else 'off'} | "
-                        f"{_describe_backend(explained)} | {why} |"
-                    )
+                        why = explained["error"] or explained["reason"]
+                        rows[label] = f"{_describe_backend(explained)} | {why} |"
+                    if len(set(rows.values())) == 1:
+                        rows = {"any": next(iter(rows.values()))}
+                    for label, row in rows.items():
+                        lines.append(
+                            f"| `{setting}` | {node_count} | SM{capability} | "
+                            f"{'on' if hisparse else 'off'} | {label} | {row}"
+                        )
     return "\n".join(lines) + "\n"
 
 
@@ -419,6 +453,14 @@ def _explain_parser() -> _ExplainParser:
         default=installed_flashinfer_version(),
         help="flashinfer-python version (default: the installed one)",
     )
+    parser.add_argument(
+        "--flashinfer-jit-cache-version",
+        metavar="VERSION",
+        default=installed_flashinfer_jit_cache_version(),
+        help="flashinfer-jit-cache version, '' for none (default: the installed "
+        f"one); FlashInfer loads one of another release only while "
+        f"{FLASHINFER_VERSION_CHECK_ENV} is set in the environment",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument(
         "--table",
@@ -458,7 +500,18 @@ def _print_text(explained: dict[str, Any], inputs: FiArBackendInputs) -> None:
         f"HiSparse {'on' if inputs.hisparse else 'off'}, "
         f"multicast {multicast}, "
         f"flashinfer-python {inputs.flashinfer_version or 'not installed'}"
+        f"{_jit_cache_input(inputs)}"
     )
+
+
+def _jit_cache_input(inputs: FiArBackendInputs) -> str:
+    """The flashinfer-jit-cache part of the inputs line, if there is one."""
+    if inputs.flashinfer_jit_cache_version is None:
+        return ""
+    check = f" ({FLASHINFER_VERSION_CHECK_ENV} set)"
+    if inputs.flashinfer_version_check:
+        check = ""
+    return f", flashinfer-jit-cache {inputs.flashinfer_jit_cache_version}{check}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
         hisparse=hisparse,
         flashinfer_version=args.flashinfer_version,
         multicast=args.multicast,
+        flashinfer_jit_cache_version=args.flashinfer_jit_cache_version or None,
+        flashinfer_version_check=flashinfer_version_check(),
     )
     explained = explain_deployment(inputs)
     if args.json:

@@ -10,6 +10,9 @@ take the same path. This module gathers the inputs of
 once per group, and lets them vote on each workspace creation.
 """
 
+import importlib
+import importlib.util
+import os
 import weakref
 from importlib.metadata import PackageNotFoundError, version
 
@@ -21,6 +24,7 @@ import vllm.envs as envs
 from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FI_AR_BACKEND_ENV,
+    FLASHINFER_VERSION_CHECK_ENV,
     FiArBackendDecision,
     FiArBackendInputs,
     decide_fi_ar_backend,
@@ -49,6 +53,8 @@ _fi_ar_decisions: weakref.WeakKeyDictionary[ProcessGroup, tuple[str | None, bool
 )
 # How a (backend, allow_trtllm_fallback) decision travels between ranks.
 _DECISION_BACKENDS = (None, "trtllm", "mnnvl")
+# The module of FlashInfer's prebuilt kernels (the flashinfer-jit-cache shim).
+FLASHINFER_JIT_CACHE_MODULE = "flashinfer_jit_cache"
 
 
 def group_node_count(group: ProcessGroup) -> int:
@@ -73,11 +79,41 @@ def hisparse_enabled() -> bool:
 
 
 def installed_flashinfer_version() -> str | None:
-    """The flashinfer-python release, which known issues retire against."""
+    """The flashinfer-python release, whose kernels run unless a
+    flashinfer-jit-cache of another release stands in for them."""
     try:
         return version("flashinfer-python")
     except PackageNotFoundError:
         return None
+
+
+def installed_flashinfer_jit_cache_version() -> str | None:
+    """The flashinfer-jit-cache release FlashInfer may load kernels from.
+
+    Found and read as FlashInfer's loader does (`_get_aot_providers` in
+    flashinfer/jit/env.py): the `__version__` of an importable
+    `flashinfer_jit_cache` module, not the distribution's metadata. One that
+    fails to import fails FlashInfer's own import too, so none of its
+    kernels run.
+    """
+    try:
+        if importlib.util.find_spec(FLASHINFER_JIT_CACHE_MODULE) is None:
+            return None
+        jit_cache = importlib.import_module(FLASHINFER_JIT_CACHE_MODULE)
+    except Exception:
+        return None
+    jit_cache_version = getattr(jit_cache, "__version__", None)
+    return None if jit_cache_version is None else str(jit_cache_version)
+
+
+def flashinfer_version_check() -> bool:
+    """Whether FlashInfer refuses a flashinfer-jit-cache of another release.
+
+    FlashInfer's own variable, so read as FlashInfer reads it rather than
+    through vllm.envs: `os.getenv`, where any non-empty value (also "0")
+    turns the check off.
+    """
+    return not os.getenv(FLASHINFER_VERSION_CHECK_ENV)
 
 
 def device_capability() -> int | None:
@@ -96,6 +132,8 @@ def _decide_for_group(group: ProcessGroup) -> FiArBackendDecision:
             device_capability=device_capability(),
             hisparse=hisparse_enabled(),
             flashinfer_version=installed_flashinfer_version(),
+            flashinfer_jit_cache_version=installed_flashinfer_jit_cache_version(),
+            flashinfer_version_check=flashinfer_version_check(),
         )
     )
     if decision.known_issue is not None and setting != "auto":

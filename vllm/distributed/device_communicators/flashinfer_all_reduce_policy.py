@@ -7,7 +7,7 @@
 `decide_fi_ar_backend` sees only `FiArBackendInputs`, so the choice can be
 tested and explained without GPUs or process groups. FlashInfer bugs that
 `auto` steers around are data (`FI_AR_KNOWN_ISSUES`), each retiring itself
-once the installed flashinfer-python carries its fix.
+once the FlashInfer kernels that will run carry its fix (`kernel_release`).
 """
 
 from collections.abc import Callable
@@ -19,6 +19,15 @@ FI_AR_BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 FI_AR_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 # MNNVL spans nodes on Blackwell (SM100) and newer only.
 MNNVL_MULTI_NODE_MIN_CAPABILITY = 100
+# FlashInfer's own variable: set to anything non-empty, FlashInfer loads a
+# flashinfer-jit-cache of another release (flashinfer/jit/env.py).
+FLASHINFER_VERSION_CHECK_ENV = "FLASHINFER_DISABLE_VERSION_CHECK"
+# The flashinfer-python that vllm 0.33.0 requires (its wheel's Requires-Dist)
+# and was tested with.
+VLLM_PINNED_FLASHINFER = "0.7.2.post1"
+# Installs this build with a FlashInfer that has the MNNVL fix, run in this
+# build's source tree.
+FIXED_FLASHINFER_INSTALL_COMMAND = "pip install -C flashinfer=0.7.4 ."
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,12 @@ class FiArBackendInputs:
     multicast: bool | None = None
     """NVSwitch multicast availability; None while unknown (at start-up it is
     only learned by trying to create an mnnvl workspace)."""
+    flashinfer_jit_cache_version: str | None = None
+    """Installed flashinfer-jit-cache version (FlashInfer's prebuilt
+    kernels), if any."""
+    flashinfer_version_check: bool = True
+    """Whether FlashInfer refuses a flashinfer-jit-cache of another release;
+    False while FLASHINFER_DISABLE_VERSION_CHECK is set."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +73,9 @@ class FiArBackendDecision:
 class FiArKnownIssue:
     """A FlashInfer bug that makes `auto` steer clear of a backend.
 
-    An entry retires itself: once the installed flashinfer-python is at or
-    above `fixed_in`, `auto` makes its normal choice again. Adding an entry
-    needs no change to the decision logic.
+    An entry retires itself: once the FlashInfer release whose kernels will
+    run (`kernel_release`) is at or above `fixed_in`, `auto` makes its normal
+    choice again. Adding an entry needs no change to the decision logic.
     """
 
     name: str
@@ -79,9 +94,13 @@ class FiArKnownIssue:
     """Why those replacements, for the reason line."""
     fixed_in: str | None
     """First flashinfer-python release with the fix; None while unreleased."""
+    fix: str | None = None
+    """Where the fix is in that release, for the line saying it is retired."""
+    get_fix: str | None = None
+    """How to install this build with the fix, while it runs without."""
 
     def is_fixed(self, flashinfer_version: str | None) -> bool:
-        """Whether the installed FlashInfer already carries the fix."""
+        """Whether FlashInfer `flashinfer_version` already carries the fix."""
         if self.fixed_in is None or flashinfer_version is None:
             return False
         try:
@@ -114,9 +133,84 @@ FI_AR_KNOWN_ISSUES: tuple[FiArKnownIssue, ...] = (
         single_node_backend="trtllm",
         multi_node_backend=None,
         replacement_note="trtllm has no such race but cannot span nodes",
-        fixed_in=None,
+        fixed_in="0.7.4",
+        # flashinfer/data/include/flashinfer/comm/trtllm_mnnvl_allreduce.cuh
+        # in the flashinfer-python 0.7.4 wheel; 0.7.2.post1 waits on warp 0
+        # of block 0 only.
+        fix="every thread waits at the cluster barrier in LamportFlags::ctaArrive()",
+        get_fix=(
+            f"`{FIXED_FLASHINFER_INSTALL_COMMAND}` in this build's source tree "
+            "installs this build with it; the default stays on vLLM's tested "
+            f"pin, {VLLM_PINNED_FLASHINFER}"
+        ),
     ),
 )
+
+
+def _same_release(jit_cache_version: str, flashinfer_version: str) -> bool:
+    """FlashInfer's test that a flashinfer-jit-cache is of its own release.
+
+    Only a CUDA local suffix may differ (0.7.4+cu129 for 0.7.4); see
+    `_check_jit_cache_version` in flashinfer/jit/env.py.
+    """
+    return jit_cache_version == flashinfer_version or jit_cache_version.startswith(
+        f"{flashinfer_version}+"
+    )
+
+
+def _older(first: str, second: str) -> str:
+    """The older of two releases; one that cannot be read counts as older,
+    so that it is never taken for a fix."""
+    for release in (first, second):
+        try:
+            Version(release)
+        except InvalidVersion:
+            return release
+    return first if Version(first) < Version(second) else second
+
+
+def kernel_release(inputs: FiArBackendInputs) -> tuple[str | None, str | None]:
+    """The FlashInfer release whose all-reduce kernels will run, and a note
+    when that is not the installed flashinfer-python's.
+
+    FlashInfer loads its all-reduce modules (the MNNVL one is
+    `trtllm_mnnvl_comm`) prebuilt from flashinfer-jit-cache when that is its
+    own release, or of any release while FLASHINFER_DISABLE_VERSION_CHECK is
+    set; otherwise it builds them from flashinfer-python's own source
+    (`_get_aot_providers` in flashinfer/jit/env.py). A jit-cache of another
+    release is used only if it has the module for this GPU, so the older of
+    the two releases is the one that counts.
+    """
+    installed = inputs.flashinfer_version
+    jit_cache = inputs.flashinfer_jit_cache_version
+    if (
+        installed is None
+        or jit_cache is None
+        or inputs.flashinfer_version_check
+        or _same_release(jit_cache, installed)
+        or _older(jit_cache, installed) == installed
+    ):
+        return installed, None
+    return jit_cache, (
+        f"flashinfer-python {installed} would run the kernels of "
+        f"flashinfer-jit-cache {jit_cache} ({FLASHINFER_VERSION_CHECK_ENV} is set)"
+    )
+
+
+def _fix_hint(issue: FiArKnownIssue, inputs: FiArBackendInputs) -> str | None:
+    """What gets the fix of `issue`, for a reason line; None while unreleased."""
+    if issue.fixed_in is None:
+        return None
+    if issue.is_fixed(inputs.flashinfer_version):
+        # flashinfer-python has the fix, so a jit-cache runs without it.
+        _, jit_cache_note = kernel_release(inputs)
+        return (
+            f"{jit_cache_note}, which lack the fix of {issue.fixed_in}: unset "
+            f"{FLASHINFER_VERSION_CHECK_ENV}, or run `flashinfer download-kernels` "
+            "for a flashinfer-jit-cache of the same release"
+        )
+    hint = f"FlashInfer {issue.fixed_in} fixes it"
+    return f"{hint}: {issue.get_fix}" if issue.get_fix else hint
 
 
 def backend_span_error(backend: str | None, node_count: int) -> str | None:
@@ -215,19 +309,23 @@ def _decide(
             f"Invalid value {inputs.setting!r} for {FI_AR_BACKEND_ENV}. "
             f"Valid options: {list(FI_AR_BACKEND_CHOICES)}."
         )
+    release, jit_cache_note = kernel_release(inputs)
     if inputs.setting != "auto":
         for issue in known_issues:
             if (
                 issue.unsafe_backend == inputs.setting
                 and issue.applies(inputs)
-                and not issue.is_fixed(inputs.flashinfer_version)
+                and not issue.is_fixed(release)
             ):
                 return FiArBackendDecision(
                     inputs.setting,
                     False,
-                    f"{FI_AR_BACKEND_ENV}={inputs.setting} is set explicitly; "
-                    f"this is known to crash when {issue.trigger}: "
-                    f"{issue.summary} ({issue.name})",
+                    _sentences(
+                        f"{FI_AR_BACKEND_ENV}={inputs.setting} is set explicitly; "
+                        f"this is known to crash when {issue.trigger}: "
+                        f"{issue.summary} ({issue.name})",
+                        _fix_hint(issue, inputs),
+                    ),
                     known_issue=issue.name,
                 )
         return FiArBackendDecision(
@@ -241,10 +339,16 @@ def _decide(
     for issue in known_issues:
         if choice.backend != issue.unsafe_backend or not issue.applies(inputs):
             continue
-        if issue.is_fixed(inputs.flashinfer_version):
+        if issue.is_fixed(release):
+            has_fix = (
+                f"{jit_cache_note}, which have the fix"
+                if jit_cache_note
+                else f"flashinfer-python {release} has the fix"
+            )
+            since = f"{issue.fixed_in} and newer"
             retired.append(
-                f"the {issue.name} override is retired: flashinfer-python "
-                f"{inputs.flashinfer_version} >= {issue.fixed_in} has the fix"
+                f"the {issue.name} override is retired: {has_fix} "
+                f"({f'{since}: {issue.fix}' if issue.fix else since})"
             )
             continue
         backend = issue.replacement(inputs.node_count)
@@ -257,9 +361,12 @@ def _decide(
         return FiArBackendDecision(
             backend,
             False,
-            f"auto, {issue.trigger}: {issue.summary} ({issue.name}); {action} "
-            f"{where} ({issue.replacement_note}). Set "
-            f"{FI_AR_BACKEND_ENV}={issue.unsafe_backend} to override",
+            _sentences(
+                f"auto, {issue.trigger}: {issue.summary} ({issue.name}); {action} "
+                f"{where} ({issue.replacement_note})",
+                _fix_hint(issue, inputs),
+                f"Set {FI_AR_BACKEND_ENV}={issue.unsafe_backend} to override",
+            ),
             known_issue=issue.name,
         )
     if retired:
@@ -269,3 +376,8 @@ def _decide(
             f"{choice.reason}; {'; '.join(retired)}",
         )
     return choice
+
+
+def _sentences(*parts: str | None) -> str:
+    """One reason line from its parts, leaving out those that are None."""
+    return ". ".join(part for part in parts if part)
