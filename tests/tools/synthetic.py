@@ -9,13 +9,14 @@ needs the real 336 MB base wheel.
 """
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import venv
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import packaging
@@ -66,13 +67,14 @@ def make_wheel(
     file_tags: str | None = None,
     init_source: str = "",
     files: Mapping[str, str] | None = None,
+    requires: Sequence[str] | None = None,
 ) -> Path:
     """Pack a tiny vllm wheel; ``file_tags`` renames it like upstream's files.
 
     Upstream's WHEEL file says ``linux_x86_64`` while its file name says
     ``manylinux_2_28_x86_64``; ``file_tags`` reproduces that mismatch.
     ``files`` maps ``vllm/...`` paths to contents that replace or join the
-    stock ones.
+    stock ones; ``requires`` replaces REQUIRES_DIST as its Requires-Dist.
     """
     tree = where / f"vllm-{version}"
     dist_info = tree / f"vllm-{version}.dist-info"
@@ -86,9 +88,10 @@ def make_wheel(
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         (tree / rel).write_text(text)
     dist_info.mkdir()
-    requires = "".join(f"Requires-Dist: {req}\n" for req in REQUIRES_DIST)
+    listed = REQUIRES_DIST if requires is None else requires
+    requires_dist = "".join(f"Requires-Dist: {req}\n" for req in listed)
     (dist_info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n{requires}\n"
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n{requires_dist}\n"
         "A tiny stand-in for the upstream wheel.\n"
     )
     (dist_info / "WHEEL").write_text(
@@ -104,6 +107,34 @@ def make_wheel(
     assert built.is_file()
     if file_tags is not None:
         built = built.rename(out / f"vllm-{version}-{file_tags}.whl")
+    return built
+
+
+def make_dist(
+    where: Path, name: str, version: str, requires: Sequence[str] = ()
+) -> Path:
+    """A tiny pure wheel of any project, e.g. a flashinfer-python stand-in.
+
+    It holds one module named after the project, so an install shows.
+    """
+    stem = name.replace("-", "_")
+    tree = where / f"{stem}-{version}"
+    dist_info = tree / f"{stem}-{version}.dist-info"
+    dist_info.mkdir(parents=True)
+    (tree / f"{stem}.py").write_text(f"VERSION = {version!r}\n")
+    listed = "".join(f"Requires-Dist: {req}\n" for req in requires)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{listed}"
+    )
+    (dist_info / "WHEEL").write_text(
+        "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n"
+    )
+    where.mkdir(parents=True, exist_ok=True)
+    _run_wheel_cli("pack", "--dest-dir", str(where), str(tree))
+    shutil.rmtree(tree)
+    built = where / f"{stem}-{version}-py3-none-any.whl"
+    assert built.is_file()
     return built
 
 
@@ -175,11 +206,15 @@ def copy_tools(project: Path) -> None:
 
 
 def scratch_project(
-    tmp_path: Path, base: Path, adds: Mapping[str, str] | None = None
+    tmp_path: Path,
+    base: Path,
+    adds: Mapping[str, str] | None = None,
+    pyproject_extra: str = "",
 ) -> Path:
     """A repo copy whose pins trust ``base``, to drive the backend through pip.
 
-    ``adds`` maps the paths of added modules to their contents.
+    ``adds`` maps the paths of added modules to their contents;
+    ``pyproject_extra`` is TOML appended to its pyproject.toml.
     """
     project = tmp_path / "project"
     copy_tools(project)
@@ -199,7 +234,7 @@ def scratch_project(
         "[tool.vllm-overlay.sha256]\n"
         f"'{base.name}' = '{util.sha256_of(base)}'\n\n"
         "[tool.vllm-overlay.replaces]\n"
-        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n"
+        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n" + pyproject_extra
     )
     return project
 
@@ -408,3 +443,31 @@ def editable_install(where: Path, project: Path, base: Path) -> Path:
     python = scratch_venv(where)
     pip_install(python, "-e", str(project), base=base)
     return python
+
+
+def call_hook(
+    project: Path,
+    hook: str,
+    directory: Path | None,
+    settings: Mapping | None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Call one PEP 517 hook of ``project``'s own backend, as a frontend does.
+
+    ``settings`` is the hook's ``config_settings`` (what ``-C`` gives); a
+    ``get_requires_*`` hook takes no directory. The hook's return value is
+    the last line of stdout.
+    """
+    code = (
+        "import json, sys; sys.path.insert(0, '.'); "
+        "from tools import buildapi; "
+        "hook = getattr(buildapi, sys.argv[1]); "
+        "settings = json.loads(sys.argv[3]); "
+        "print(hook(settings) if sys.argv[2] == '-' else hook(sys.argv[2], settings))"
+    )
+    args = [hook, "-" if directory is None else str(directory), json.dumps(settings)]
+    return run_limited(
+        [sys.executable, "-c", code, *args],
+        cwd=project,
+        env={**os.environ, **env} if env else None,
+    )
