@@ -11,6 +11,7 @@ synthetic wheels, with pip cut off from every index (tests/tools/conftest.py).
 
 import ast
 import email.parser
+import importlib.util
 import os
 import shutil
 import sys
@@ -279,6 +280,25 @@ def test_the_variant_sdist_builds_the_variant_by_itself(tmp_path: Path) -> None:
     assert "error: this source tree was made for -C flashinfer=0.7.4" in line
     assert "cannot build -C flashinfer=0.8.0" in line
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("build") is None,
+    reason="needs `build` (requirements/test.txt)",
+)
+def test_python_m_build_C_makes_the_variant_sdist_and_wheel(tmp_path: Path) -> None:
+    base = base_wheel(tmp_path)
+    project = scratch_project(tmp_path, base, pyproject_extra=VARIANTS)
+    env = {**os.environ, LOCATION_ENV: str(base)}
+    out = tmp_path / "built"
+    # The sdist first, then a wheel from it: build's default.
+    cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out)]
+    proc = run_limited([*cmd, "-C", "flashinfer=0.7.4", str(project)], env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        f"vllm-{VARIANT}-py3-none-any.whl",
+        f"vllm-{VARIANT}.tar.gz",
+    ]
 
 
 def test_the_default_sdist_carries_the_pyproject_as_it_is(tmp_path: Path) -> None:
