@@ -508,7 +508,7 @@ def test_uv_passes_the_setting_and_keys_its_cache_on_it(tmp_path: Path) -> None:
     }
     uv = [shutil.which("uv"), "pip", "install", "--python", str(python)]
     uv += ["--offline", "--no-index", "--find-links", str(index)]
-    uv += ["--no-build-isolation", "--reinstall-package", "vllm"]
+    uv += ["--no-build-isolation"]
     probe = [str(python), "-c", PROBE]
     for settings, expected in [
         (["-C", "flashinfer=0.7.4"], [VARIANT, VARIANT, "0.7.4"]),
