@@ -2,22 +2,23 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The PEP 517 and PEP 660 hooks of the overlay build.
 
-Each hook hands over to its stage module. ``config_settings`` is accepted and
-ignored: every input comes from pyproject.toml and the environment, like
-vLLM's own setup.py.
+Each hook hands over to its stage module. Every input comes from
+pyproject.toml and the environment, like vLLM's own setup.py, except the
+variant: ``config_settings`` (``pip install -C flashinfer=0.7.4 .``) picks one
+of those declared in ``[tool.vllm-overlay.variants]``. Every hook checks
+them first, so a bad one stops the build before anything is fetched or built.
 """
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 from . import pack, sdist
-from .pins import check_python
+from .pins import ConfigSettings, check_python, load_pins
 from .util import OverlayError
 
 T = TypeVar("T")
-ConfigSettings = Mapping[str, str | list[str]] | None
 
 
 def _run(hook: Callable[[], T], python: bool = True) -> T:
@@ -36,9 +37,15 @@ def _run(hook: Callable[[], T], python: bool = True) -> T:
         raise SystemExit(1) from None
 
 
+def _no_requires(config_settings: ConfigSettings) -> list[str]:
+    """Check the settings; the build needs nothing beyond its own requires."""
+    load_pins(settings=config_settings)
+    return []
+
+
 def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
     """Everything needed is already in ``build-system.requires``."""
-    return _run(list)
+    return _run(lambda: _no_requires(config_settings))
 
 
 def build_wheel(
@@ -47,14 +54,18 @@ def build_wheel(
     metadata_directory: str | None = None,
 ) -> str:
     """The upstream wheel with the tree's files in it (tools/pack.py)."""
-    return _run(lambda: pack.build(Path(wheel_directory)))
+    return _run(
+        lambda: pack.build(
+            Path(wheel_directory), pins=load_pins(settings=config_settings)
+        )
+    )
 
 
 def get_requires_for_build_editable(
     config_settings: ConfigSettings = None,
 ) -> list[str]:
     """Same as for a wheel: the editable wheel is built the same way."""
-    return _run(list)
+    return _run(lambda: _no_requires(config_settings))
 
 
 def build_editable(
@@ -64,14 +75,29 @@ def build_editable(
 ) -> str:
     """The upstream wheel without the tree's Python files, plus the import
     hook that loads them from this working tree (tools/finder.py)."""
-    return _run(lambda: pack.build(Path(wheel_directory), editable=True))
+    return _run(
+        lambda: pack.build(
+            Path(wheel_directory),
+            pins=load_pins(settings=config_settings),
+            editable=True,
+        )
+    )
 
 
 def get_requires_for_build_sdist(config_settings: ConfigSettings = None) -> list[str]:
-    """The sdist is assembled from the tree alone."""
-    return []
+    """The sdist is assembled from the tree alone.
+
+    Settings are checked only when given: without them this hook needs no
+    tomllib, as on a Python older than the base wheel's range.
+    """
+    if not config_settings:
+        return []
+    return _run(lambda: _no_requires(config_settings), python=False)
 
 
 def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
     """The tree's files and this build tool (tools/sdist.py)."""
-    return _run(lambda: sdist.build_sdist(Path(sdist_directory)), python=False)
+    return _run(
+        lambda: sdist.build_sdist(Path(sdist_directory), settings=config_settings),
+        python=False,
+    )

@@ -30,14 +30,23 @@ from email.generator import BytesGenerator
 from email.parser import BytesParser
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.utils import parse_wheel_filename
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 from wheel.wheelfile import WheelFile  # type: ignore[import-untyped]
 
 from .check import check_base_wheel, collect_overlay
 from .fetch import default_cache_dir, fetch_base_wheel
 from .overlay import apply_editable, apply_overlay
-from .pins import CONFIG_TABLE, REPO_ROOT, Pins, load_pins, supported_python
+from .pins import (
+    CONFIG_TABLE,
+    REPO_ROOT,
+    Pins,
+    Variant,
+    load_pins,
+    supported_python,
+)
 from .util import (
     OverlayError,
     ensure_folder,
@@ -129,6 +138,7 @@ def cache_key(
     facts = {
         "base": [base_wheel.name, pins.sha256[base_wheel.name]],
         "version": pins.version,
+        "requires": list(pins.requires),
         "files": entries,
         "editable": str(tree.resolve()) if editable else None,
         "epoch": epoch,
@@ -243,6 +253,7 @@ def repack(
         write_tags(tree / dist_info / "WHEEL", base_wheel.name)
         write_version(tree / VERSION_MODULE, pins)
         write_metadata_version(tree / dist_info / "METADATA", pins.version)
+        replace_requirements(tree / dist_info / "METADATA", pins)
         with stage(f"packed {name} (SOURCE_DATE_EPOCH={epoch})"):
             _pack(src, members, tree, dist_info, dropped, dest / name, pins, epoch)
     return dest / name
@@ -321,6 +332,92 @@ def write_metadata_version(metadata: Path, version: str) -> None:
         BytesGenerator(f, maxheaderlen=0).flatten(message)
 
 
+def replace_requirements(metadata: Path, pins: Pins) -> None:
+    """Give the chosen variants' requirements in place of the base wheel's.
+
+    Each replaces every Requires-Dist of its project where it stands, and
+    keeps that line's marker: the installed metadata is what ``pip check``
+    and every later resolve go by. The default build leaves METADATA as is.
+    """
+    if not pins.variants:
+        return
+    with metadata.open("rb") as f:
+        message = BytesParser(policy=email.policy.compat32).parse(f)
+    headers = message.items()
+    for variant in pins.variants:
+        for text in variant.requires:
+            headers = _replaced(headers, Requirement(text), variant, pins)
+    for key in {key for key, _ in headers}:
+        del message[key]
+    for key, value in headers:
+        message[key] = value
+    with metadata.open("wb") as f:
+        BytesGenerator(f, maxheaderlen=0).flatten(message)
+
+
+def _replaced(
+    headers: list[tuple[str, str]], wanted: Requirement, variant: Variant, pins: Pins
+) -> list[tuple[str, str]]:
+    """``headers`` with ``wanted`` in place of the base's lines of its project."""
+    name = canonicalize_name(wanted.name)
+    result, found = [], []
+    for key, value in headers:
+        old = _requirement(value) if key.lower() == "requires-dist" else None
+        if old is None or canonicalize_name(old.name) != name:
+            result.append((key, value))
+            continue
+        _refuse_pointless(old, wanted, variant, pins)
+        found.append(value)
+        result.append((key, f"{wanted}; {old.marker}" if old.marker else str(wanted)))
+    if not found:
+        raise OverlayError(
+            f"{variant.option}: {pins.requirement} does not require {wanted.name}, "
+            f"so the variant has nothing to replace.\n{_retire(variant)}"
+        )
+    log(f"{variant.option}: {wanted} in place of {' and '.join(found)}")
+    return result
+
+
+def _requirement(text: str) -> Requirement | None:
+    try:
+        return Requirement(text)
+    except InvalidRequirement:
+        return None
+
+
+def _refuse_pointless(
+    old: Requirement, wanted: Requirement, variant: Variant, pins: Pins
+) -> None:
+    """A base wheel that pins the variant's release or a later one retires it.
+
+    Building the variant there would move the dependency back, not forward.
+    """
+    pinned, ours = _exact(old.specifier), _exact(wanted.specifier)
+    if pinned is None or ours is None or pinned < ours:
+        return
+    raise OverlayError(
+        f"{variant.option}: {pins.requirement} already pins "
+        f"{old.name}{old.specifier}, at or above the variant's {wanted}, so "
+        f"its default build has that release.\n{_retire(variant)}"
+    )
+
+
+def _retire(variant: Variant) -> str:
+    """The fix for a variant that the base wheel has made pointless."""
+    return (
+        f"Fix: build without {variant.option}, and remove the variant "
+        f"{variant.value!r} from {variant.table} in pyproject.toml"
+    )
+
+
+def _exact(specifier: SpecifierSet) -> Version | None:
+    """The one release an ``==X`` specifier allows, else None."""
+    specs = list(specifier)
+    if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
+        return None
+    return Version(specs[0].version)
+
+
 def _check_requires_python(dist_info: Path) -> None:
     """The pinned Python range must be the base wheel's: it is what pip checks."""
     metadata = (dist_info / "METADATA").read_text(encoding="utf-8")
@@ -361,7 +458,8 @@ def write_version(module: Path, pins: Pins) -> None:
 
     The base's ``_version.py`` is generated by vcs-versioning; its version
     gets ``+label`` and its tuple gets the label as the last part, the same
-    shape a local version has in vLLM's own builds (collect-env reads it).
+    shape a local version has in vLLM's own builds (collect-env reads it). A
+    variant's label is part of it: ``(0, 33, 0, "hisparse1.fi074")``.
     """
     try:
         text = module.read_text(encoding="utf-8")
@@ -377,7 +475,7 @@ def write_version(module: Path, pins: Pins) -> None:
             "Fix: the base wheel's version file changed format; update "
             "write_version in tools/pack.py"
         )
-    new_tuple = (*ast.literal_eval(tuple_lines[0][1]), pins.local_label)
+    new_tuple = (*ast.literal_eval(tuple_lines[0][1]), pins.label)
     text = _VERSION_LINE.sub(lambda m: f"{m.group(1)}{pins.version!r}", text)
     text = _TUPLE_LINE.sub(lambda m: f"{m.group(1)}{new_tuple!r}", text)
     module.write_text(text, encoding="utf-8")

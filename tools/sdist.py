@@ -8,6 +8,10 @@ and then a wheel from it, so the sdist carries the tree's ``vllm/`` files,
 the base wheel exactly as a build from the repository does. Entries are
 sorted and carry fixed owners, modes and ``SOURCE_DATE_EPOCH`` times, so one
 tree always gives the same bytes.
+
+An sdist made with ``-C`` (a variant) records the choice in the
+``pyproject.toml`` it carries, so that every wheel built from it, by a pip
+that is given no ``-C``, is the variant its file name and PKG-INFO say.
 """
 
 import gzip
@@ -16,10 +20,25 @@ import stat
 import tarfile
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11: load_pins cannot run either
+    tomllib = None  # type: ignore[assignment]
+
 from .check import collect_overlay
 from .pack import backend_modules
-from .pins import REPO_ROOT, Pins, load_pins, supported_python
-from .util import source_date_epoch, stage, write_atomic
+from .pins import (
+    CONFIG_TABLE,
+    REPO_ROOT,
+    SETTINGS_KEY,
+    SETTINGS_TABLE,
+    ConfigSettings,
+    Pins,
+    load_pins,
+    read_recorded_settings,
+    supported_python,
+)
+from .util import OverlayError, source_date_epoch, stage, write_atomic
 
 # Metadata that only the base wheel knows; PEP 643 says to mark it dynamic.
 DYNAMIC_FIELDS = [
@@ -56,6 +75,37 @@ def pkg_info(pins: Pins, pyproject: Path) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
+def carried_pyproject(pins: Pins, pyproject: Path) -> bytes:
+    """``pyproject.toml`` as the sdist carries it: with the chosen variants.
+
+    Without ``-C`` it is the tree's file as it is.
+    """
+    data = pyproject.read_bytes()
+    chosen = {v.setting: v.value for v in pins.variants}
+    table = tomllib.loads(data.decode("utf-8"))["tool"][CONFIG_TABLE]
+    recorded = read_recorded_settings(table, pyproject)
+    if chosen == recorded:
+        return data
+    if recorded:
+        raise OverlayError(
+            f"{pyproject} already records {recorded} in {SETTINGS_TABLE}, so "
+            f"this sdist cannot record {chosen} as well.\nFix: set them all "
+            "in that table and build the sdist without -C"
+        )
+    options = " ".join(v.option for v in pins.variants)
+    lines = [
+        "",
+        f"# Recorded by the sdist build for `{options}`: every wheel built",
+        "# from this sdist is that variant.",
+        f"[tool.{CONFIG_TABLE}.{SETTINGS_KEY}]",
+        *(f'{key} = "{value}"' for key, value in sorted(chosen.items())),
+    ]
+    text = data.decode("utf-8").rstrip("\n") + "\n" + "\n".join(lines) + "\n"
+    table = tomllib.loads(text)["tool"][CONFIG_TABLE]
+    assert read_recorded_settings(table, pyproject) == chosen
+    return text.encode("utf-8")
+
+
 def _member(name: str, size: int, executable: bool, epoch: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.size = size
@@ -66,9 +116,14 @@ def _member(name: str, size: int, executable: bool, epoch: int) -> tarfile.TarIn
     return info
 
 
-def build_sdist(sdist_directory: Path, root: Path = REPO_ROOT) -> str:
-    """Write ``vllm-<version>.tar.gz`` into ``sdist_directory``; return its name."""
-    pins = load_pins(root / "pyproject.toml")
+def build_sdist(
+    sdist_directory: Path, root: Path = REPO_ROOT, settings: ConfigSettings = None
+) -> str:
+    """Write ``vllm-<version>.tar.gz`` into ``sdist_directory``; return its name.
+
+    ``settings`` (``-C``) choose a variant, which the name and PKG-INFO carry.
+    """
+    pins = load_pins(root / "pyproject.toml", settings)
     top = f"{pins.name}-{pins.version}"
     name = f"{top}.tar.gz"
     epoch = source_date_epoch() or 0  # the tree holds no trustworthy time
@@ -85,7 +140,10 @@ def build_sdist(sdist_directory: Path, root: Path = REPO_ROOT) -> str:
                 _member(f"{top}/PKG-INFO", len(meta), False, epoch), io.BytesIO(meta)
             )
             for rel in sdist_files(root, pins):
-                data = (root / rel).read_bytes()
+                if rel == Path("pyproject.toml"):
+                    data = carried_pyproject(pins, root / rel)
+                else:
+                    data = (root / rel).read_bytes()
                 executable = bool((root / rel).stat().st_mode & stat.S_IXUSR)
                 info = _member(f"{top}/{rel.as_posix()}", len(data), executable, epoch)
                 tar.addfile(info, io.BytesIO(data))

@@ -9,6 +9,7 @@ needs the real 336 MB base wheel.
 """
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -108,6 +109,34 @@ def make_wheel(
     return built
 
 
+def make_dist(
+    where: Path, name: str, version: str, requires: Sequence[str] = ()
+) -> Path:
+    """A tiny pure wheel of any project, e.g. a flashinfer-python stand-in.
+
+    It holds one module named after the project, so an install shows.
+    """
+    stem = name.replace("-", "_")
+    tree = where / f"{stem}-{version}"
+    dist_info = tree / f"{stem}-{version}.dist-info"
+    dist_info.mkdir(parents=True)
+    (tree / f"{stem}.py").write_text(f"VERSION = {version!r}\n")
+    listed = "".join(f"Requires-Dist: {req}\n" for req in requires)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{listed}"
+    )
+    (dist_info / "WHEEL").write_text(
+        "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n"
+    )
+    where.mkdir(parents=True, exist_ok=True)
+    _run_wheel_cli("pack", "--dest-dir", str(where), str(tree))
+    shutil.rmtree(tree)
+    built = where / f"{stem}-{version}-py3-none-any.whl"
+    assert built.is_file()
+    return built
+
+
 def _run_wheel_cli(*args: str) -> None:
     """Run the wheel CLI the way the backend does."""
     subprocess.run([sys.executable, "-m", "wheel", *args], check=True, text=True)
@@ -176,11 +205,15 @@ def copy_tools(project: Path) -> None:
 
 
 def scratch_project(
-    tmp_path: Path, base: Path, adds: Mapping[str, str] | None = None
+    tmp_path: Path,
+    base: Path,
+    adds: Mapping[str, str] | None = None,
+    pyproject_extra: str = "",
 ) -> Path:
     """A repo copy whose pins trust ``base``, to drive the backend through pip.
 
-    ``adds`` maps the paths of added modules to their contents.
+    ``adds`` maps the paths of added modules to their contents;
+    ``pyproject_extra`` is TOML appended to its pyproject.toml.
     """
     project = tmp_path / "project"
     copy_tools(project)
@@ -200,7 +233,7 @@ def scratch_project(
         "[tool.vllm-overlay.sha256]\n"
         f"'{base.name}' = '{util.sha256_of(base)}'\n\n"
         "[tool.vllm-overlay.replaces]\n"
-        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n"
+        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n" + pyproject_extra
     )
     return project
 
@@ -424,3 +457,31 @@ def editable_install(where: Path, project: Path, base: Path) -> Path:
     python = scratch_venv(where)
     pip_install(python, "-e", str(project), base=base)
     return python
+
+
+def call_hook(
+    project: Path,
+    hook: str,
+    directory: Path | None,
+    settings: Mapping | None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Call one PEP 517 hook of ``project``'s own backend, as a frontend does.
+
+    ``settings`` is the hook's ``config_settings`` (what ``-C`` gives); a
+    ``get_requires_*`` hook takes no directory. The hook's return value is
+    the last line of stdout.
+    """
+    code = (
+        "import json, sys; sys.path.insert(0, '.'); "
+        "from tools import buildapi; "
+        "hook = getattr(buildapi, sys.argv[1]); "
+        "settings = json.loads(sys.argv[3]); "
+        "print(hook(settings) if sys.argv[2] == '-' else hook(sys.argv[2], settings))"
+    )
+    args = [hook, "-" if directory is None else str(directory), json.dumps(settings)]
+    return run_limited(
+        [sys.executable, "-c", code, *args],
+        cwd=project,
+        env={**os.environ, **env} if env else None,
+    )
