@@ -8,6 +8,7 @@ generates the docs' decision table.
 """
 
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -17,9 +18,29 @@ import pytest
 import tree_imports
 from fi_ar_utils import (
     ENV,
-    EXPLAIN_MODULE,
+    GROUP_MODULE,
     pin_gpu,
+    workspace_args,
 )
+
+# What users run; it starts the explain module's main.
+EXPLAIN_COMMAND_MODULE = "vllm.flashinfer_all_reduce_explain"
+STANDALONE_ENV = "VLLM_ALLREDUCE_USE_FLASHINFER"
+# The documented JSON answer (docs/configuration/flashinfer_all_reduce.md).
+ANSWER_KEYS = {
+    "backend",
+    "depends_on",
+    "by_gpu",
+    "allow_trtllm_fallback",
+    "reason",
+    "known_issue",
+    "if_no_multicast",
+    "error",
+    "used_by",
+    "assumed",
+    "inputs",
+    "warnings",
+}
 
 HISPARSE = {
     "kv_connector": "HiSparseConnector",
@@ -53,14 +74,14 @@ def _json(explain, capsys, *argv: str) -> dict:
 
 
 def test_explain_expands_human_readable_numbers_as_vllm_serve_does(explain, capsys):
-    offload = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": "@"},
-    }
-    text = json.dumps(offload).replace('"@"', "80G")
-    explained = _json(explain, capsys, "--kv-transfer-config", text)
-    assert explained["inputs"]["hisparse"] is False
+    """HiSparse's own number: 4K rows (4096), bare, which JSON alone refuses."""
+    explained = _json(
+        explain,
+        capsys,
+        *("--kv-transfer-config", json.dumps(HISPARSE)),
+        *("--attention-config", '{"hisparse_config": {"device_buffer_size": 4K}}'),
+    )
+    assert explained["inputs"]["hisparse"] is True
 
 
 def test_explain_takes_dotted_serve_options(explain, capsys):
@@ -86,7 +107,7 @@ def test_explain_takes_dotted_serve_options(explain, capsys):
             None,
         ),
         ({"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}, None),
-        (None, {"hisparse_config": {}}),
+        (HISPARSE, {"hisparse_config": {"device_buffer_size": 4096}}),
         (None, {"backend": "FLASHINFER"}),
     ],
 )
@@ -342,23 +363,39 @@ def test_explain_documents_its_exit_statuses(explain, capsys):
         assert line in out
 
 
+def _text_line(out: str, label: str) -> str:
+    """The line of explain's text answer that starts with `label`."""
+    (line,) = [line for line in out.splitlines() if line.startswith(f"  {label}: ")]
+    return line
+
+
 def test_explain_text_names_every_input(explain, capsys, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("VLLM_ALLREDUCE_USE_FLASHINFER", raising=False)
     _, out, _ = _run(
         explain,
         capsys,
         *("--nnodes", "2", "--capability", "10.0", "--hisparse", "--multicast"),
-        *("--flashinfer-version", "0.7.2.post1"),
+        *("--flashinfer-version", "0.7.2.post1", "-tp", "16"),
     )
-    assert out.splitlines()[2] == (
-        f"  inputs: {ENV}=auto, 2 node(s), GPU SM100, HiSparse on, multicast yes, "
-        "flashinfer-python 0.7.2.post1"
+    assert _text_line(out, "inputs") == (
+        f"  inputs: {ENV}=auto, 2 node(s), TP 16, GPU SM100, HiSparse on, "
+        "multicast yes, VLLM_ALLREDUCE_USE_FLASHINFER=1, fuse_allreduce_rms "
+        "default, flashinfer-python 0.7.2.post1"
     )
     pin_gpu(monkeypatch, None)
-    _, out, _ = _run(explain, capsys, "--no-multicast", "--flashinfer-version", "")
-    assert out.splitlines()[2] == (
-        f"  inputs: {ENV}=auto, 1 node(s), GPU unknown, HiSparse off, multicast no, "
-        "flashinfer-python not installed"
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_FLASHINFER", "0")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    _, out, _ = _run(
+        explain,
+        capsys,
+        *("--no-multicast", "--flashinfer-version", ""),
+        *("-cc", '{"pass_config": {"fuse_allreduce_rms": false}}'),
+    )
+    assert _text_line(out, "inputs") == (
+        f"  inputs: {ENV}=auto, 1 node(s), TP unknown, GPU unknown, HiSparse off, "
+        "multicast no, VLLM_ALLREDUCE_USE_FLASHINFER=0, fuse_allreduce_rms false, "
+        "VLLM_BATCH_INVARIANT=1, flashinfer-python not installed"
     )
 
 
@@ -537,18 +574,281 @@ def test_docs_decision_table_matches_the_code(explain):
     )
 
 
-# Last: it starts a new interpreter, the slowest test here, and a mutation
-# run (mutation/cosmic-ray.toml) stops at the first failing test.
-def test_explain_runs_without_a_gpu_as_a_script():
-    """What an operator runs on a laptop: no GPU, no current vLLM config."""
-    env = {k: v for k, v in os.environ.items() if k != ENV}
+def _hisparse_connector(extra_config: dict) -> dict:
+    return {
+        "kv_connector": "HiSparseConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra_config,
+    }
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--capability", "10.0"),
+        ("--nnodes", "2"),
+        ("-tp", "1"),
+        ("--backend", "trtllm", "--nnodes", "2", "--capability", "9.0"),
+    ],
+    ids=["plain", "depends-on-the-gpu", "not-used", "start-up-fails"],
+)
+def test_explain_json_has_the_same_keys_in_every_answer(
+    explain, capsys, monkeypatch, argv
+):
+    monkeypatch.delenv(ENV, raising=False)
+    pin_gpu(monkeypatch, None)
+    _, out, _ = _run(explain, capsys, *argv, "--json")
+    answer = json.loads(out)
+    assert set(answer) == ANSWER_KEYS
+    if answer["depends_on"] is None:
+        assert answer["by_gpu"] is None
+    else:
+        assert answer["backend"] is None and answer["used_by"] is None
+        for per_gpu in answer["by_gpu"].values():
+            assert set(per_gpu) == ANSWER_KEYS - {"warnings"}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--nnodes", "0"),
+        ("--capability", "9.10"),
+        ("--no-such-option",),
+        ("--kv-transfer-config", "{not json"),
+        ("--attention-config", '{"hisparse_config": {"bogus": 1}}'),
+        ("-cc", '{"pass_config": {"fuse_allreduce_rms": 3}}'),
+        ("-tp", "1", "--nnodes", "2"),
+        ("-tp", "0"),
+    ],
+)
+def test_explain_usage_error_is_one_line(explain, capsys, argv):
+    """No usage block: the one line says what is wrong; JSON says the same."""
+    status, out, err = _run(explain, capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    status, out, json_err = _run(explain, capsys, *argv, "--json")
+    assert status == 2 and json_err == err
+    assert json.loads(out) == {"usage_error": err.removeprefix("error: ").rstrip()}
+
+
+def test_explain_refuses_a_switch_vllm_cannot_read(explain, capsys, monkeypatch):
+    monkeypatch.setenv(STANDALONE_ENV, "yes")
+    status, out, err = _run(explain, capsys)
+    assert status == 2 and out == ""
+    assert err.startswith(f"error: {STANDALONE_ENV} in the environment must be 0 or 1")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("kv_transfer_config", "attention_config"),
+    [
+        (_hisparse_connector({}), None),
+        (_hisparse_connector({"host_pool_gib": -1}), None),
+        (_hisparse_connector({"host_pool_gib": 0}), None),
+        (_hisparse_connector({"host_pool_gib": "plenty"}), None),
+        (_multi(HISPARSE, HISPARSE), None),
+        (_multi(_hisparse_connector({})), None),
+        (None, {"hisparse_config": {}}),
+    ],
+    ids=[
+        "no-host-pool",
+        "negative",
+        "zero",
+        "not-a-number",
+        "two-connectors",
+        "child-without-host-pool",
+        "no-connector",
+    ],
+)
+def test_explain_refuses_the_host_pools_vllm_refuses(
+    explain, capsys, kv_transfer_config, attention_config
+):
+    """Start-up's own check, on the engine's own config, says why."""
+    from vllm.config import (
+        AttentionConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.hisparse.layout import get_hisparse_host_pool_bytes
+
+    argv = []
+    kwargs = {}
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
+    if attention_config is not None:
+        argv += ["--attention-config", json.dumps(attention_config)]
+        kwargs["attention_config"] = AttentionConfig(**attention_config)
+    engine = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        scheduler_config=SchedulerConfig.default_factory(
+            disable_hybrid_kv_cache_manager=False
+        ),
+        **kwargs,
+    )
+    with pytest.raises(ValueError) as refused:
+        get_hisparse_host_pool_bytes(engine)
+    status, out, err = _run(explain, capsys, *argv)
+    assert status == 2 and out == ""
+    assert err.startswith("error: invalid --") and err.count("\n") == 1
+    assert err.endswith(f": {refused.value}\n")
+
+
+def test_explain_prints_the_error_start_up_raises(
+    fi_ar, explain, capsys, cpu_group, fake_ws, monkeypatch
+):
+    """Explicit trtllm across nodes: explain and the docs say what start-up
+    raises, in the same words."""
+    group = importlib.import_module(GROUP_MODULE)
+    monkeypatch.setattr(group, "_node_count", lambda pg: 2)
+    monkeypatch.setenv(ENV, "trtllm")
+    with pytest.raises(ValueError) as raised:
+        fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    assert fake_ws.attempts == []
+    status, out, _ = _run(explain, capsys, "--nnodes", "2")
+    assert status == 1
+    assert _text_line(out, "why") == f"  why: {raised.value}"
+    assert _json_any(explain, capsys, "--nnodes", "2")["error"] == str(raised.value)
+    assert f" | {raised.value} |\n" in DOCS.read_text()
+
+
+def _json_any(explain, capsys, *argv: str) -> dict:
+    """The JSON answer whatever the exit status."""
+    _, out, _ = _run(explain, capsys, *argv, "--json")
+    return json.loads(out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (("-tp", "1"), "TP size 1 has no all-reduce"),
+        (("-tp", "6"), "vLLM has no FlashInfer all-reduce size for TP 6 on SM100"),
+        (
+            ("-tp", "8", "--capability", "12.0"),
+            "vLLM has no FlashInfer all-reduce size for TP 8 on SM120",
+        ),
+        (
+            ("-tp", "16", "--nnodes", "2", "--capability", "9.0", "--backend", "mnnvl"),
+            "vLLM has no FlashInfer all-reduce size for TP 16 on SM90",
+        ),
+        (
+            ("-tp", "6", "--nnodes", "2", "--backend", "trtllm"),
+            "vLLM has no FlashInfer all-reduce size for TP 6 on SM100",
+        ),
+    ],
+    ids=["tp1", "tp6", "sm120", "tp16-on-hopper", "trtllm-unused"],
+)
+def test_explain_is_off_where_no_path_runs(explain, capsys, argv, why):
+    """Nothing creates a workspace, so nothing fails either."""
+    status, out, _ = _run(explain, capsys, *argv, "--hisparse")
+    assert status == 0
+    assert out.startswith("FlashInfer all-reduce backend: off\n")
+    assert _text_line(out, "why") == f"  why: FlashInfer all-reduce is not used: {why}"
+    answer = _json(explain, capsys, *argv, "--hisparse")
+    assert answer["backend"] is None and answer["error"] is None
+    assert {path["on"] for path in answer["used_by"].values()} == {False}
+
+
+def test_explain_trtllm_across_nodes_fails_only_where_a_path_runs(
+    explain, capsys, monkeypatch
+):
+    """TP 16 has FlashInfer sizes on Blackwell only: elsewhere nothing
+    creates a workspace, so nothing raises."""
+    monkeypatch.delenv(ENV, raising=False)
+    pin_gpu(monkeypatch, None)
+    argv = ("--backend", "trtllm", "--nnodes", "2", "-tp", "16")
+    status, out, _ = _run(explain, capsys, *argv, "--json")
+    answer = json.loads(out)
+    assert status == 1
+    assert answer["depends_on"] == "device_capability"
+    assert answer["by_gpu"]["below SM100"]["backend"] is None
+    assert answer["by_gpu"]["below SM100"]["error"] is None
+    assert answer["error"] == answer["by_gpu"]["SM100+"]["error"]
+    assert answer["error"].startswith("Flashinfer allreduce is not supported")
+
+
+def test_explain_reads_the_switch_of_each_path(explain, capsys, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    both_off = ("-tp", "8", "-cc", '{"pass_config": {"fuse_allreduce_rms": false}}')
+    monkeypatch.setenv(STANDALONE_ENV, "0")
+    answer = _json(explain, capsys, *both_off)
+    assert answer["used_by"]["standalone"] == {
+        "on": False,
+        "why": f"{STANDALONE_ENV}=0",
+    }
+    assert answer["used_by"]["fusion_pass"] == {
+        "on": False,
+        "why": "fuse_allreduce_rms is false",
+    }
+    # A model that fuses all-reduce itself still uses it, with no switch.
+    assert answer["used_by"]["model"]["on"] is None
+    assert answer["backend"] == "mnnvl"
+    _, out, _ = _run(explain, capsys, *both_off)
+    assert out.startswith(
+        "FlashInfer all-reduce backend: mnnvl (trtllm if no multicast; only in a "
+        "model that fuses all-reduce itself)\n"
+    )
+    # HiSparse serves DSA models, which do.
+    answer = _json(explain, capsys, *both_off, "--hisparse")
+    assert answer["used_by"]["model"]["on"] is True
+    assert answer["backend"] == "trtllm"
+    monkeypatch.setenv(STANDALONE_ENV, "1")
+    answer = _json(
+        explain,
+        capsys,
+        *("-tp", "8", "--compilation-config.pass_config.fuse_allreduce_rms", "false"),
+    )
+    assert answer["used_by"]["standalone"]["on"] is True
+    assert answer["used_by"]["fusion_pass"]["on"] is False
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    answer = _json(explain, capsys, "-tp", "8")
+    assert answer["used_by"]["standalone"]["on"] is False
+    assert answer["used_by"]["fusion_pass"]["on"] is False
+
+
+@pytest.mark.parametrize("capability", [80, 89, 90, 100, 103, 110, 120])
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_explain_takes_vllms_default_for_the_fusion_pass(
+    explain, capsys, monkeypatch, capability, tp
+):
+    """What VllmConfig sets `fuse_allreduce_rms` to at vllm serve's -O2."""
+    import vllm.utils.flashinfer
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig
+    from vllm.platforms import current_platform
+
+    pin_gpu(monkeypatch, capability)
+    # A node with a GPU per rank, and FlashInfer's kernels usable.
+    monkeypatch.setattr(
+        type(current_platform),
+        "device_count",
+        classmethod(lambda cls: tp),
+        raising=False,
+    )
+    monkeypatch.setattr(vllm.utils.flashinfer, "has_flashinfer", lambda: True)
+    engine = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+    )
+    answer = _json(explain, capsys, "-tp", str(tp), "--capability", str(capability))
+    fused = answer["used_by"]["fusion_pass"]["on"]
+    assert fused is engine.compilation_config.pass_config.fuse_allreduce_rms
+
+
+def _run_script(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """The command as an operator runs it on a laptop: no GPU, no config.
+
+    A new interpreter with this tree's modules; subprocess.run kills it at
+    the hard timeout.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in (ENV, STANDALONE_ENV)}
     run = (
         "import tree_imports, runpy; tree_imports.install(); "
-        f"runpy.run_module({EXPLAIN_MODULE!r}, run_name='__main__')"
+        f"runpy.run_module({EXPLAIN_COMMAND_MODULE!r}, run_name='__main__')"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", run, "--nnodes", "2", "--hisparse", "--json"]
-        + ["--capability", "10.0"],
+    return subprocess.run(
+        [sys.executable, "-c", run, *argv],
         capture_output=True,
         text=True,
         env={
@@ -557,6 +857,29 @@ def test_explain_runs_without_a_gpu_as_a_script():
             "PYTHONPATH": str(tree_imports.REPO_ROOT / "tests"),
         },
         timeout=300,
+    )
+
+
+def test_explain_usage_error_is_one_line_as_a_script():
+    """On the real stderr: nothing from torch, vLLM or argparse's usage."""
+    proc = _run_script(["--nnodes", "0"])
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr == "error: --nnodes must be at least 1\n"
+    # This one imports the KV connectors, which log at import on a CPU.
+    without_pool = json.dumps(_hisparse_connector({}))
+    proc = _run_script(["--json", "--kv-transfer-config", without_pool])
+    assert proc.returncode == 2
+    message = "invalid --kv-transfer-config: HiSparseConnector requires host_pool_gib"
+    assert proc.stderr == f"error: {message}\n"
+    assert json.loads(proc.stdout) == {"usage_error": message}
+
+
+# Last: it starts a new interpreter, the slowest test here, and a mutation
+# run (mutation/cosmic-ray.toml) stops at the first failing test.
+def test_explain_runs_without_a_gpu_as_a_script():
+    """What an operator runs on a laptop: no GPU, no current vLLM config."""
+    proc = _run_script(
+        ["--nnodes", "2", "--hisparse", "--json", "--capability", "10.0"]
     )
     assert proc.returncode == 0, proc.stderr
     explained = json.loads(proc.stdout)

@@ -213,18 +213,25 @@ def _fix_hint(issue: FiArKnownIssue, inputs: FiArBackendInputs) -> str | None:
     return f"{hint}: {issue.get_fix}" if issue.get_fix else hint
 
 
-def backend_span_error(backend: str | None, node_count: int) -> str | None:
-    """Why `backend` cannot serve a group of `node_count` nodes, if it cannot.
+# What start-up raises for trtllm on a multi-node group: upstream's
+# ValueError in get_fi_ar_workspace (flashinfer_all_reduce.py), which every
+# path that uses FlashInfer all-reduce calls first.
+TRTLLM_MULTI_NODE_ERROR = (
+    "Flashinfer allreduce is not supported for multi-node allreduce with "
+    "'trtllm' backend. Please use 'mnnvl' backend instead."
+)
 
-    trtllm is single-node only; start-up and `explain` both apply this rule.
+
+def backend_span_error(backend: str | None, node_count: int) -> str | None:
+    """The error start-up raises for `backend` on `node_count` nodes, if any.
+
+    trtllm is single-node only. Start-up raises upstream's ValueError for
+    it; this returns the same words (TRTLLM_MULTI_NODE_ERROR), so that
+    `explain` and the docs show what the operator will see.
     """
     if backend != "trtllm" or node_count == 1:
         return None
-    return (
-        f"FlashInfer all-reduce backend 'trtllm' cannot span nodes, but this "
-        f"process group spans {node_count} nodes. Set {FI_AR_BACKEND_ENV}=mnnvl "
-        f"(Blackwell MNNVL systems) or {FI_AR_BACKEND_ENV}=auto."
-    )
+    return TRTLLM_MULTI_NODE_ERROR
 
 
 def _auto_choice(inputs: FiArBackendInputs) -> FiArBackendDecision:
@@ -235,8 +242,9 @@ def _auto_choice(inputs: FiArBackendInputs) -> FiArBackendDecision:
                 "trtllm", False, "auto, single node without NVSwitch multicast"
             )
         # MNNVL decodes faster than TRTLLM on single-node NVSwitch systems
-        # (about 3-5% at TP4/TP8 on H200 and B200); TRTLLM is the fallback
-        # where the node lacks the multicast that MNNVL needs.
+        # (about 3% at TP8 on 8xB200 in the measurements on vllm#64327);
+        # TRTLLM is the fallback where the node lacks the multicast that
+        # MNNVL needs.
         return FiArBackendDecision(
             "mnnvl",
             True,
