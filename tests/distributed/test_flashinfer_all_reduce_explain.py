@@ -432,7 +432,7 @@ def test_explain_counts_an_older_jit_cache_only_without_the_version_check(
     argv += ("--flashinfer-jit-cache-version", "0.7.2.post1+cu129")
     _, checked, _ = _run(explain, capsys, *argv)
     assert checked.startswith("FlashInfer all-reduce backend: mnnvl")
-    assert checked.splitlines()[2].endswith(
+    assert checked.splitlines()[-1].endswith(
         "flashinfer-python 0.7.4, flashinfer-jit-cache 0.7.2.post1+cu129"
     )
     monkeypatch.setenv(VERSION_CHECK, "1")
@@ -442,7 +442,7 @@ def test_explain_counts_an_older_jit_cache_only_without_the_version_check(
         "flashinfer-python 0.7.4 would run the kernels of flashinfer-jit-cache "
         f"0.7.2.post1+cu129 ({VERSION_CHECK} is set), which lack the fix" in unchecked
     )
-    assert unchecked.splitlines()[2].endswith(
+    assert unchecked.splitlines()[-1].endswith(
         f"flashinfer-jit-cache 0.7.2.post1+cu129 ({VERSION_CHECK} set)"
     )
     explained = _json(explain, capsys, *argv)
