@@ -24,7 +24,7 @@ from fi_ar_utils import (
 )
 
 # What users run; it starts the explain module's main.
-EXPLAIN_COMMAND_MODULE = "vllm.flashinfer_all_reduce_explain"
+EXPLAIN_COMMAND_MODULE = "vllm.explain_flashinfer_all_reduce"
 STANDALONE_ENV = "VLLM_ALLREDUCE_USE_FLASHINFER"
 # The documented JSON answer (docs/configuration/flashinfer_all_reduce.md).
 ANSWER_KEYS = {

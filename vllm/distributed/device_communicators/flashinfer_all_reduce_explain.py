@@ -4,7 +4,7 @@
 #  flashinfer_all_reduce.py. Goes away with that file.
 """Explain which FlashInfer all-reduce backend vLLM picks, without a GPU.
 
-    python -m vllm.flashinfer_all_reduce_explain
+    python -m vllm.explain_flashinfer_all_reduce
 
 (which starts `main` here) prints the backend for a deployment (nodes, TP
 size, GPU, HiSparse, FlashInfer, the switches that turn FlashInfer
@@ -55,7 +55,7 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
 from vllm.engine.arg_utils import get_kwargs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-EXPLAIN_COMMAND = "python -m vllm.flashinfer_all_reduce_explain"
+EXPLAIN_COMMAND = "python -m vllm.explain_flashinfer_all_reduce"
 # Exit statuses, documented in --help and the docs.
 EXIT_WOULD_START = 0
 EXIT_START_UP_FAILS = 1
@@ -910,8 +910,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as `python -m vllm.flashinfer_all_reduce_explain` instead: importing
+    # Run as `python -m vllm.explain_flashinfer_all_reduce` instead: importing
     # this module's package has already logged torch's notices.
-    from vllm.flashinfer_all_reduce_explain import main as run
+    from vllm.explain_flashinfer_all_reduce import main as run
 
     sys.exit(run())

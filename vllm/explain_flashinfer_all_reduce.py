@@ -5,7 +5,7 @@
 #  that file.
 """The command that explains vLLM's FlashInfer all-reduce choice.
 
-    python -m vllm.flashinfer_all_reduce_explain --help
+    python -m vllm.explain_flashinfer_all_reduce --help
 
 The explanation lives in
 `vllm.distributed.device_communicators.flashinfer_all_reduce_explain`; this
