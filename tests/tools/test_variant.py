@@ -49,6 +49,9 @@ BASE_REQUIRES = [
 ]
 DEFAULT = "0.33.0+hisparse1"
 VARIANT = "0.33.0+hisparse1.fi074"
+# This repository's builds: its pyproject.toml has its own local-label.
+REPO_DEFAULT = "0.33.0+hisparse2"
+REPO_VARIANT = "0.33.0+hisparse2.fi074"
 ACCEPTED = "-C flashinfer=0.7.4, -C flashinfer=0.8.0"
 
 
@@ -84,10 +87,10 @@ def build_with(
 
 def test_the_repo_offers_flashinfer_0_7_4() -> None:
     pins = load_pins(settings={"flashinfer": "0.7.4"})
-    assert pins.version == VARIANT
+    assert pins.version == REPO_VARIANT
     assert pins.requires == ("flashinfer-python==0.7.4",)
     default = load_pins()
-    assert (default.version, default.requires) == (DEFAULT, ())
+    assert (default.version, default.requires) == (REPO_DEFAULT, ())
 
 
 def test_the_variant_wheel_pins_its_flashinfer_and_says_so(tmp_path: Path) -> None:
@@ -317,11 +320,14 @@ def test_the_default_sdist_carries_the_pyproject_as_it_is(tmp_path: Path) -> Non
 def test_the_real_repo_sdist_records_the_variant(tmp_path: Path) -> None:
     out = fresh_dir(tmp_path)
     name = buildapi.build_sdist(str(out), {"flashinfer": "0.7.4"})
-    assert name == f"vllm-{VARIANT}.tar.gz"
+    assert name == f"vllm-{REPO_VARIANT}.tar.gz"
     with tarfile.open(out / name) as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
-    pins = load_pins(tmp_path / "unpacked" / f"vllm-{VARIANT}" / "pyproject.toml")
-    assert (pins.version, pins.requires) == (VARIANT, ("flashinfer-python==0.7.4",))
+    pins = load_pins(tmp_path / "unpacked" / f"vllm-{REPO_VARIANT}" / "pyproject.toml")
+    assert (pins.version, pins.requires) == (
+        REPO_VARIANT,
+        ("flashinfer-python==0.7.4",),
+    )
 
 
 def index_with_flashinfers(tmp_path: Path) -> Path:
