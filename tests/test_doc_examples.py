@@ -19,7 +19,6 @@ the switches explain reads from the environment set.
 import doctest
 import os
 import re
-import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,22 +118,14 @@ def example_env(tmp_path_factory) -> dict[str, str]:
 
 def _bash(script: str, env: dict[str, str], cwd: Path) -> tuple[int, str]:
     """Run `script`; its own session, so a hung run dies with its children."""
-    with subprocess.Popen(
+    proc = tree_imports.run_in_session(
         ["bash", "-c", script],
         cwd=cwd,
         env=env,
-        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return proc.returncode, out
+        timeout=TIMEOUT_S,
+    )
+    return proc.returncode, proc.stdout
 
 
 def test_the_docs_have_explain_examples():

@@ -20,6 +20,7 @@ import sys
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The build tool is the package tools/ at the repository's root, as the
@@ -64,23 +65,17 @@ def _module_name(relative: Path) -> str:
     return name
 
 
-def run_tool(
-    root: Path, *args: str, timeout: float = 120
+def run_in_session(
+    cmd: list[str], *, timeout: float, **popen: Any
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m tools ARGS`` in ``root``.
+    """Run ``cmd`` in its own session, its output captured as text.
 
-    In its own session, so a hung run is killed with every child (pip) it
-    started, and the test fails instead of hanging.
+    A hung run is killed with every child it started (pip, a shell's
+    commands), and the test fails instead of hanging.
     """
-    cmd = [sys.executable, "-m", "tools", *args]
-    with subprocess.Popen(
-        cmd,
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    with subprocess.Popen(cmd, text=True, start_new_session=True, **popen) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -88,6 +83,15 @@ def run_tool(
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_tool(
+    root: Path, *args: str, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m tools ARGS`` in ``root``, in its own session."""
+    return run_in_session(
+        [sys.executable, "-m", "tools", *args], cwd=root, timeout=timeout
+    )
 
 
 def stock_root() -> Path:

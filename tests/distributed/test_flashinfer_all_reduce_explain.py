@@ -73,6 +73,35 @@ def _json(explain, capsys, *argv: str) -> dict:
     return json.loads(out)
 
 
+def _serve_options_and_engine(kv_transfer_config, attention_config):
+    """explain's arguments for these configs, and the VllmConfig vLLM builds
+    from them (on CPU, with the hybrid KV cache manager HiSparse needs)."""
+    from vllm.config import (
+        AttentionConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    argv = []
+    kwargs = {}
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
+    if attention_config is not None:
+        argv += ["--attention-config", json.dumps(attention_config)]
+        kwargs["attention_config"] = AttentionConfig(**attention_config)
+    engine = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        scheduler_config=SchedulerConfig.default_factory(
+            disable_hybrid_kv_cache_manager=False
+        ),
+        **kwargs,
+    )
+    return argv, engine
+
+
 def test_explain_expands_human_readable_numbers_as_vllm_serve_does(explain, capsys):
     """HiSparse's own number: 4K rows (4096), bare, which JSON alone refuses."""
     explained = _json(
@@ -114,29 +143,7 @@ def test_explain_takes_dotted_serve_options(explain, capsys):
 def test_explain_and_the_engine_agree_on_hisparse(
     explain, capsys, kv_transfer_config, attention_config
 ):
-    from vllm.config import (
-        AttentionConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-
-    argv = []
-    kwargs = {}
-    if kv_transfer_config is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
-    if attention_config is not None:
-        argv += ["--attention-config", json.dumps(attention_config)]
-        kwargs["attention_config"] = AttentionConfig(**attention_config)
-    engine = VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        scheduler_config=SchedulerConfig.default_factory(
-            disable_hybrid_kv_cache_manager=False
-        ),
-        **kwargs,
-    )
+    argv, engine = _serve_options_and_engine(kv_transfer_config, attention_config)
     explained = _json(explain, capsys, *argv)
     engine_hisparse = engine.attention_config.hisparse_config is not None
     assert explained["inputs"]["hisparse"] is engine_hisparse
@@ -664,30 +671,9 @@ def test_explain_refuses_the_host_pools_vllm_refuses(
     explain, capsys, kv_transfer_config, attention_config
 ):
     """Start-up's own check, on the engine's own config, says why."""
-    from vllm.config import (
-        AttentionConfig,
-        DeviceConfig,
-        KVTransferConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
     from vllm.v1.hisparse.layout import get_hisparse_host_pool_bytes
 
-    argv = []
-    kwargs = {}
-    if kv_transfer_config is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
-        kwargs["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config)
-    if attention_config is not None:
-        argv += ["--attention-config", json.dumps(attention_config)]
-        kwargs["attention_config"] = AttentionConfig(**attention_config)
-    engine = VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        scheduler_config=SchedulerConfig.default_factory(
-            disable_hybrid_kv_cache_manager=False
-        ),
-        **kwargs,
-    )
+    argv, engine = _serve_options_and_engine(kv_transfer_config, attention_config)
     with pytest.raises(ValueError) as refused:
         get_hisparse_host_pool_bytes(engine)
     status, out, err = _run(explain, capsys, *argv)

@@ -910,8 +910,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as `python -m vllm.explain_flashinfer_all_reduce` instead: importing
-    # this module's package has already logged torch's notices.
-    from vllm.explain_flashinfer_all_reduce import main as run
-
-    sys.exit(run())
+    # `python -m vllm.explain_flashinfer_all_reduce` is the documented
+    # command: importing this module's package logs torch's notices first.
+    sys.exit(main())
