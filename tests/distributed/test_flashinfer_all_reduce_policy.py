@@ -201,6 +201,19 @@ def test_kernel_release_is_the_one_whose_kernels_will_run(
         assert note == JIT_CACHE_NOTE.format(installed=installed, jit_cache=jit_cache)
 
 
+def test_flashinfer_checks_the_jit_cache_version_unless_told_otherwise(policy):
+    """FlashInfer's own default: inputs that do not say the check is off
+    count the installed release, whatever jit-cache is there."""
+    inputs = _inputs(
+        policy,
+        hisparse=True,
+        flashinfer_version="0.7.4",
+        flashinfer_jit_cache_version="0.7.2.post1+cu129",
+    )
+    assert policy.kernel_release(inputs) == ("0.7.4", None)
+    assert policy.decide_fi_ar_backend(inputs).backend == "mnnvl"
+
+
 @pytest.mark.parametrize("node_count", [1, 2])
 def test_hisparse_override_stays_for_an_older_jit_cache_flashinfer_loads(
     policy, node_count
