@@ -822,6 +822,67 @@ def test_explain_takes_vllms_default_for_the_fusion_pass(
     assert fused is engine.compilation_config.pass_config.fuse_allreduce_rms
 
 
+def test_explain_defaults_are_vllm_serves(explain, monkeypatch):
+    """What explain takes for switches nobody gave: vllm serve's own."""
+    monkeypatch.delenv(STANDALONE_ENV, raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert explain.usage_from_serve_options(None, None) == explain.DEFAULT_USAGE
+
+
+def test_explain_prints_each_paths_state_and_only_what_it_assumed(
+    explain, capsys, monkeypatch
+):
+    monkeypatch.setenv(STANDALONE_ENV, "0")
+    argv = ["-tp", "8", "--capability", "10.0"]
+    argv += ["-cc", json.dumps({"pass_config": {"fuse_allreduce_rms": True}})]
+    status, out, _ = _run(explain, capsys, *argv)
+    assert status == 0
+    assert _text_line(out, "used by") == (
+        "  used by: standalone all-reduce: no (VLLM_ALLREDUCE_USE_FLASHINFER=0); "
+        "fusion pass: yes; model's own fusion: depends on the model "
+        "(DeepSeek-V3.2, GLM-5.2 and MiniMax M3 fuse all-reduce + RMSNorm in "
+        "their own code, which no switch turns off)"
+    )
+    # Every switch, the TP size and the GPU were given: nothing is assumed.
+    assert "  assumed:" not in out
+    _, out, _ = _run(explain, capsys, *argv, "--hisparse")
+    assert _text_line(out, "assumed").startswith("  assumed: a DSA model")
+
+
+def test_explain_fusion_pass_is_off_by_default_beyond_vllms_gpus(explain, capsys):
+    """vLLM fuses by default on SM90 and SM10x only, also where a size is set."""
+    size = json.dumps({"pass_config": {"fi_allreduce_fusion_max_size_mb": 64}})
+    answer = _json(explain, capsys, "-tp", "8", "--capability", "12.0", "-cc", size)
+    assert answer["used_by"]["fusion_pass"] == {
+        "on": False,
+        "why": "off by default on SM120",
+    }
+
+
+def test_explain_answer_where_no_path_runs_has_no_fallback(explain, capsys):
+    answer = _json(explain, capsys, "-tp", "1", "--capability", "10.0")
+    assert answer["backend"] is None
+    assert answer["allow_trtllm_fallback"] is False
+
+
+def test_explain_refuses_a_tp_size_below_one(explain, capsys):
+    status, out, err = _run(explain, capsys, "-tp", "0")
+    assert (status, out) == (2, "")
+    assert err == "error: --tensor-parallel-size must be at least 1\n"
+
+
+def test_explain_without_a_gpu_takes_the_fusion_pass_default_as_on(explain):
+    """Asked directly, with no GPU known: vLLM's default on its own GPUs."""
+    from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
+        FiArBackendInputs,
+    )
+
+    inputs = FiArBackendInputs("auto", 1, None, False, "0.7.2.post1")
+    used_by = explain.explain_fi_ar_backend(inputs)["used_by"]
+    assert used_by["fusion_pass"] == {"on": True, "why": None}
+    assert used_by["standalone"] == {"on": True, "why": None}
+
+
 def _run_script(argv: list[str]) -> subprocess.CompletedProcess[str]:
     """The command as an operator runs it on a laptop: no GPU, no config.
 

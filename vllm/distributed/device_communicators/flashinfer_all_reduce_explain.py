@@ -168,11 +168,10 @@ def _fusion_pass_by_default(capability: int | None, usage: FiArUsageInputs) -> b
 
     `enable_allreduce_rms_fusion` in vllm/config/vllm.py, for a CUDA GPU
     with FlashInfer: TP > 1 on SM90 or any SM10x, unless batch-invariant.
+    TP 1 never asks: it has no all-reduce (`fi_ar_paths`).
     """
-    return (
-        not usage.batch_invariant
-        and usage.tensor_parallel_size != 1
-        and (capability is None or capability == 90 or capability // 10 == 10)
+    return not usage.batch_invariant and (
+        capability is None or capability == 90 or capability // 10 == 10
     )
 
 
