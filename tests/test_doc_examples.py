@@ -13,13 +13,16 @@ The examples are read out of the Markdown, whatever it holds today:
 
 They run on a machine without a GPU, with this tree's modules (a
 sitecustomize that installs tests/tree_imports.py's finder) and none of
-the switches explain reads from the environment set.
+the switches explain reads from the environment set. Their `python` is the
+interpreter running the tests, whatever is first on PATH, so the suite
+passes with its venv activated or not.
 """
 
 import doctest
 import os
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +102,19 @@ def explain_examples() -> list[Example]:
     return examples
 
 
+def python_first_on_path(folder: Path) -> str:
+    """A PATH whose `python` and `python3` are this test's own interpreter.
+
+    They exec sys.executable by its own path, so a venv's interpreter keeps
+    its venv even when the venv is not activated.
+    """
+    folder.mkdir()
+    for name in ("python", "python3"):
+        (folder / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        (folder / name).chmod(0o755)
+    return os.pathsep.join([str(folder), os.environ.get("PATH", "")])
+
+
 @pytest.fixture(scope="module")
 def example_env(tmp_path_factory) -> dict[str, str]:
     """A shell environment whose Python imports this tree's vLLM modules."""
@@ -110,6 +126,7 @@ def example_env(tmp_path_factory) -> dict[str, str]:
     paths = [str(hook), str(tree_imports.REPO_ROOT / "tests")]
     env.update(
         CUDA_VISIBLE_DEVICES="",
+        PATH=python_first_on_path(hook / "bin"),
         PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join(paths + [env.get("PYTHONPATH", "")]),
     )
@@ -126,6 +143,14 @@ def _bash(script: str, env: dict[str, str], cwd: Path) -> tuple[int, str]:
         timeout=TIMEOUT_S,
     )
     return proc.returncode, proc.stdout
+
+
+def test_the_examples_run_this_interpreter(example_env, tmp_path):
+    """Not whatever `python` the caller's PATH has first (an unactivated
+    venv's tests would otherwise run the examples without vLLM)."""
+    script = "python -c 'import sys; print(sys.executable)'"
+    status, out = _bash(script, example_env, tmp_path)
+    assert (status, out.strip()) == (0, sys.executable)
 
 
 def test_the_docs_have_explain_examples():
