@@ -112,12 +112,12 @@ class Pins:
 
     @property
     def label(self) -> str:
-        """The local label with the chosen variants', e.g. ``hisparse1.fi074``."""
+        """The local label with the chosen variants', e.g. ``hisparse2.fi074``."""
         return ".".join([self.local_label, *(v.label for v in self.variants)])
 
     @property
     def version(self) -> str:
-        """The version of the overlay wheel, e.g. ``0.33.0+hisparse1``."""
+        """The version of the overlay wheel, e.g. ``0.33.0+hisparse2``."""
         return f"{self.base_version}+{self.label}"
 
     @property
@@ -194,7 +194,7 @@ def check_label(label: str, source: Path = PYPROJECT) -> None:
     if _LABEL_RE.fullmatch(label):
         fix = "choose another local-label"
     else:
-        fix = 'e.g. local-label = "hisparse1"'
+        fix = 'e.g. local-label = "hisparse2"'
     raise OverlayError(f"{where} {problem}\nFix: {fix}")
 
 
