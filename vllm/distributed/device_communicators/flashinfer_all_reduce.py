@@ -3,7 +3,8 @@
 #
 # Description: Keep HiSparse off FlashInfer's MNNVL all-reduce while the
 #  FlashInfer kernels that will run lack the fix; make every rank of a group
-#  take the same path.
+#  take the same path, within a bound; no mnnvl across nodes without an
+#  NVLink fabric.
 #  HiSparse's host gathers set off a cluster-barrier race in FlashInfer's
 #  MNNVL fused all-reduce ("CUDA error: unspecified launch failure", 7 of 7
 #  runs on 8xB200 TP8). flashinfer-python 0.7.4 fixes it (every thread waits
@@ -20,30 +21,53 @@
 #  backend is obeyed, with a warning for mnnvl on kernels without the fix.
 #  Workspace creation is collective, so flashinfer_all_reduce_group makes
 #  the ranks agree on that decision once per group (off if they differ),
-#  keeps it across destroy_fi_ar_workspace(), counts nodes once per group,
-#  and has the ranks vote on each creation (see _create_workspace). This
-#  fixes a start-up hang that stock 0.33.0 has with or without HiSparse.
-#  Changes here: _resolve_fi_ar_backend delegates to that module,
-#  _node_count is its per-group cached count, and _create_workspace wraps
-#  upstream's (renamed _create_workspace_on_rank) with the vote.
+#  keeps it across destroy_fi_ar_workspace() and counts nodes once per
+#  group. The agreement round also carries each rank's kernel load (done
+#  before anything collective, as a JIT build may take minutes) and, on a
+#  group spanning nodes, FlashInfer's own NVLink fabric probe
+#  (is_mnnvl_fabric_supported): mnnvl across nodes without a fabric on
+#  every rank only times out in FlashInfer's handle exchange (vllm#51986),
+#  so the policy turns it off, for `auto` and an explicit mnnvl alike.
+#  flashinfer_all_reduce_creation then runs FlashInfer's collectives on a
+#  gloo group of the same ranks bounded at FI_AR_CREATE_TIMEOUT_S (300 s;
+#  vLLM's gloo groups wait 30 minutes) and has the ranks vote on vLLM's
+#  group, so a creation failing on any rank, before, during or after
+#  FlashInfer's rendezvous, ends the same way on all of them within the
+#  bound. This fixes start-up hangs that stock 0.33.0 has with or without
+#  HiSparse.
+#  Changes here: _resolve_fi_ar_backend delegates to the group module,
+#  _node_count is its per-group cached count, _create_workspace hands
+#  upstream's (renamed _create_workspace_on_rank) to create_on_every_rank;
+#  _create_workspace_on_rank takes the comm backend and group FlashInfer's
+#  collectives run on and raises on failure instead of logging.
 #  Messages changed on purpose: the debug lines of _resolve_fi_ar_backend
-#  become one info line per group naming the backend and why; new are the
-#  explicit-mnnvl-with-HiSparse warning, the error for ranks that disagree
-#  and the warning for a creation that failed on another rank.
+#  become one info line per group naming the backend and why (a warning for
+#  an explicit mnnvl without a fabric); upstream's per-rank "Failed to
+#  initialize FlashInfer All Reduce workspace" and "multicast is
+#  unavailable" warnings become one warning on every rank naming the rank
+#  that failed and its error, or the one that did not answer in time; new
+#  are the explicit-mnnvl-with-HiSparse warning, the error for ranks that
+#  disagree and the warning for kernels that failed to load.
 # Bug: https://github.com/vllm-project/vllm/issues/64327
+# Bug: https://github.com/vllm-project/vllm/issues/51986 (mnnvl across nodes
+#  without an NVLink fabric)
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
 # Origin: vendor
 # Forwarded: https://github.com/vllm-project/vllm/issues/64327 (the HiSparse
-#  override); not yet (the rank agreement and the creation vote)
+#  override); the fabric vote is upstream's open vllm PR 53377
+#  (https://github.com/vllm-project/vllm/pull/53377); not yet (the rank
+#  agreement, the kernel-load vote and the bounded creation)
 # Base: vllm==0.33.0
 # Last-Update: 2026-12-01
 # Applied-Upstream: no
 # Drop-When: the HiSparse override, once the flashinfer-python that vLLM
 #  pins is 0.7.4 or newer (the override is then retired on every install of
 #  that base), or once vLLM upstream keeps HiSparse off MNNVL itself
-#  (vllm#64327); the rank agreement and the creation vote, once upstream
-#  vLLM makes the ranks of a group agree on the backend and on each
-#  workspace creation.
+#  (vllm#64327); the fabric vote, once the vLLM release this build is based
+#  on carries vllm PR 53377 or another fix of vllm#51986; the rank
+#  agreement, the kernel-load vote and the bounded creation, once upstream
+#  vLLM makes the ranks of a group agree on the backend and bounds and
+#  shares each workspace creation.
 
 import atexit
 import os
@@ -60,14 +84,16 @@ from vllm.config.compilation import PassConfig
 from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
 )
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
-    all_ranks_succeeded,
-    resolve_fi_ar_backend,
+from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
+    create_on_every_rank,
 )
 
 # Counting nodes is collective; count each group once.
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     group_node_count as _node_count,
+)
+from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
+    resolve_fi_ar_backend,
 )
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -128,9 +154,14 @@ def _create_workspace_on_rank(
     hidden_dim: int,
     dtype: torch.dtype,
     group: ProcessGroup,
+    comm_backend: Any,
+    comm_group: ProcessGroup,
 ):
-    """This rank's part of creating a workspace, returning None on failure."""
-    comm_backend = TorchDistBackend(group=group)
+    """This rank's part of creating a workspace; raises on failure.
+
+    FlashInfer's collectives run on `comm_backend` and `comm_group` (see
+    create_on_every_rank); the workspace belongs to `group`.
+    """
     rng_state = random.getstate()
     try:
         random.seed(int.from_bytes(os.urandom(16), byteorder="big"))
@@ -145,28 +176,13 @@ def _create_workspace_on_rank(
                 hidden_dim=hidden_dim,
                 dtype=dtype,
                 comm_backend=comm_backend,
-                group=group,
+                group=comm_group,
             )
         if backend == "mnnvl" and not getattr(workspace, "mc_ptr", 0):
             workspace.destroy()
-            logger.warning_once(
-                "FlashInfer MNNVL multicast is unavailable on the current topology."
+            raise RuntimeError(
+                "FlashInfer MNNVL multicast is unavailable on the current topology"
             )
-            return None
-    except Exception as e:
-        if "multicast" in str(e).lower():
-            logger.warning_once(
-                "Failed to initialize FlashInfer All Reduce workspace: %s. "
-                "This is expected on GPUs without NVSwitch (e.g., NVLink "
-                "bridge-only or PCIe topologies).",
-                e,
-            )
-        else:
-            logger.warning_once(
-                "Failed to initialize FlashInfer All Reduce workspace: %s.",
-                e,
-            )
-        return None
     finally:
         random.setstate(rng_state)
     workspace_id = id(workspace)
@@ -190,6 +206,12 @@ def _create_workspace_on_rank(
     return workspace
 
 
+def _release_workspace(workspace: Any) -> None:
+    """Destroy a workspace that another rank failed to create."""
+    del _fi_ar_workspace_groups[id(workspace)]
+    workspace.destroy()
+
+
 def _create_workspace(
     backend: str,
     world_size: int,
@@ -201,25 +223,28 @@ def _create_workspace(
 ):
     """Create a flashinfer allreduce workspace, returning None on failure.
 
-    The ranks vote on the outcome, so a creation that fails on one rank
-    after FlashInfer's rendezvous is released on the others and every rank
-    takes the same next step. A rank that fails before the rendezvous still
-    leaves the others blocked inside FlashInfer, as in upstream.
+    On every rank of `group` or on none, within a bound: FlashInfer's
+    collectives time out after FI_AR_CREATE_TIMEOUT_S on a group of their
+    own, even for a rank that fails before the rendezvous, and the ranks
+    then vote; see create_on_every_rank.
     """
-    workspace = _create_workspace_on_rank(
-        backend, world_size, rank, max_token_num, hidden_dim, dtype, group
-    )
-    if all_ranks_succeeded(workspace is not None, group):
-        return workspace
-    if workspace is not None:
-        del _fi_ar_workspace_groups[id(workspace)]
-        workspace.destroy()
-        logger.warning_once(
-            "FlashInfer %s all-reduce workspace failed on another rank; "
-            "released it here so all ranks take the same path.",
+
+    def create(comm_backend: Any, comm_group: ProcessGroup):
+        return _create_workspace_on_rank(
             backend,
+            world_size,
+            rank,
+            max_token_num,
+            hidden_dim,
+            dtype,
+            group,
+            comm_backend,
+            comm_group,
         )
-    return None
+
+    return create_on_every_rank(
+        group, backend, create, _release_workspace, TorchDistBackend
+    )
 
 
 def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
