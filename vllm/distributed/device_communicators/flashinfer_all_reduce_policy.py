@@ -299,13 +299,13 @@ def _without_fabric(
 ) -> FiArBackendDecision:
     """What becomes of `decision` on a multi-node group without an NVLink fabric.
 
-    mnnvl spans nodes only over an NVLink fabric (GB200 NVL72 and the like):
-    FlashInfer exchanges its memory handles as fabric handles there, and
-    otherwise as POSIX file descriptors over a local socket, which cannot
-    reach another node (`make_handle_exchanger` in flashinfer/comm/mnnvl.py).
-    Nodes joined by InfiniBand only time out in that exchange (vllm#51986),
-    so the choice is off, for `auto` and an explicit mnnvl alike. One node
-    needs no fabric.
+    mnnvl spans nodes only over an NVLink fabric (GB200 NVL72 and the like),
+    where FlashInfer shares its memory as fabric handles. Without one,
+    FlashInfer 0.7.2.post1 falls back to POSIX file descriptors over a local
+    socket, which cannot reach another node (`make_handle_exchanger` in
+    flashinfer/comm/mnnvl.py), and times out (vllm#51986); 0.7.4 raises
+    (`choose_mnnvl_handle_type`). So the choice is off, for `auto` and an
+    explicit mnnvl alike. One node needs no fabric.
     """
     if (
         decision.backend != "mnnvl"
