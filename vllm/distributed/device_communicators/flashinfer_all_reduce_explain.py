@@ -449,29 +449,24 @@ def fi_ar_decision_table() -> str:
             fabrics = [("n/a", None)] if node_count == 1 else _FABRICS
             for capability in (90, 100):
                 for hisparse in (False, True):
-                    by_fabric = {}
-                    for fabric_label, fabric in fabrics:
-                        rows = {}
-                        for label, release in worlds:
-                            explained = explain_fi_ar_backend(
-                                FiArBackendInputs(
-                                    setting=setting,
-                                    node_count=node_count,
-                                    device_capability=capability,
-                                    hisparse=hisparse,
-                                    flashinfer_version=release,
-                                    fabric=fabric,
-                                )
-                            )
-                            why = explained["error"] or explained["reason"]
-                            rows[label] = f"{_describe_backend(explained)} | {why} |"
-                        if len(set(rows.values())) == 1:
-                            rows = {"any": next(iter(rows.values()))}
-                        by_fabric[fabric_label] = rows
+                    by_fabric = {
+                        label: _rows_by_release(
+                            FiArBackendInputs(
+                                setting=setting,
+                                node_count=node_count,
+                                device_capability=capability,
+                                hisparse=hisparse,
+                                flashinfer_version=None,
+                                fabric=fabric,
+                            ),
+                            worlds,
+                        )
+                        for label, fabric in fabrics
+                    }
                     if len(fabrics) > 1 and all(
-                        rows == by_fabric[fabrics[0][0]] for rows in by_fabric.values()
+                        rows == by_fabric["yes"] for rows in by_fabric.values()
                     ):
-                        by_fabric = {"any": by_fabric[fabrics[0][0]]}
+                        by_fabric = {"any": by_fabric["yes"]}
                     for fabric_label, rows in by_fabric.items():
                         for label, row in rows.items():
                             lines.append(
@@ -480,6 +475,23 @@ def fi_ar_decision_table() -> str:
                                 f"{label} | {row}"
                             )
     return "\n".join(lines) + "\n"
+
+
+def _rows_by_release(
+    inputs: FiArBackendInputs, worlds: list[tuple[str, str | None]]
+) -> dict[str, str]:
+    """The table's backend and why for `inputs` in each FlashInfer range,
+    or once as "any" when the release changes nothing."""
+    rows = {}
+    for label, release in worlds:
+        explained = explain_fi_ar_backend(
+            dataclasses.replace(inputs, flashinfer_version=release)
+        )
+        why = explained["error"] or explained["reason"]
+        rows[label] = f"{_describe_backend(explained)} | {why} |"
+    if len(set(rows.values())) == 1:
+        return {"any": next(iter(rows.values()))}
+    return rows
 
 
 def parse_capability(text: str) -> int:
