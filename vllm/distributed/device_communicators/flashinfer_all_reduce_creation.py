@@ -200,6 +200,11 @@ def _bounded_group(group: ProcessGroup) -> ProcessGroup:
 
     Only the ranks of `group` take part in making it
     (use_local_synchronization), as they all create the workspace together.
+    Like any new_group, it advances torch's per-process group counter; a
+    creation retried (the trtllm fallback) on some groups and not others
+    leaves their processes one apart, so a later world-wide new_group would
+    be named differently across them (vLLM makes none after start-up but for
+    elastic EP).
     """
     bounded = dist.new_group(
         list(_ranks(group)),
