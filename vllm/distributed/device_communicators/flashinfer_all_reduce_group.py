@@ -6,11 +6,11 @@
 
 Creating a FlashInfer workspace is collective, so every rank of a group must
 take the same path. This module gathers the inputs of
-`decide_fi_ar_backend` on each rank, makes the ranks agree on its outcome
-once per group, and lets them vote on each workspace creation. The
-agreement round also carries, from each rank, whether its GPU has an NVLink
-fabric (on a group that spans nodes) and whether it loaded the backend's
-kernels.
+`decide_fi_ar_backend` on each rank and makes the ranks agree on its
+outcome once per group. The agreement round also carries, from each rank,
+whether its GPU has an NVLink fabric (on a group that spans nodes) and
+whether it loaded the backend's kernels; each workspace creation is then
+run and voted on by flashinfer_all_reduce_creation.
 """
 
 import dataclasses
@@ -70,8 +70,9 @@ _DECISION_BITS = 7
 _NO_FABRIC = 8
 # This rank failed to load the backend's kernels.
 _NOT_PREPARED = 16
-# FlashInfer's probe for an NVLink fabric, the one its handle exchange uses
-# (`make_handle_exchanger` in flashinfer/comm/mnnvl.py).
+# FlashInfer's probe for an NVLink fabric (flashinfer/comm/mnnvl.py in
+# 0.7.2.post1 and 0.7.4), with which 0.7.2.post1's handle exchange picks
+# fabric handles or local file descriptors (`make_handle_exchanger`).
 FLASHINFER_FABRIC_PROBE = ("flashinfer.comm.mnnvl", "is_mnnvl_fabric_supported")
 # The module of FlashInfer's prebuilt kernels (the flashinfer-jit-cache shim).
 FLASHINFER_JIT_CACHE_MODULE = "flashinfer_jit_cache"
