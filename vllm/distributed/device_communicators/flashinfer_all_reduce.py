@@ -7,69 +7,47 @@
 #  NVLink fabric.
 #  HiSparse's host gathers set off a cluster-barrier race in FlashInfer's
 #  MNNVL fused all-reduce ("CUDA error: unspecified launch failure", 7 of 7
-#  runs on 8xB200 TP8). flashinfer-python 0.7.4 fixes it (every thread waits
-#  in LamportFlags::ctaArrive(), flashinfer/comm/trtllm_mnnvl_allreduce.cuh);
-#  vllm 0.33.0 pins 0.7.2.post1. The backend is now decided by
-#  flashinfer_all_reduce_policy.decide_fi_ar_backend: with HiSparse on,
-#  VLLM_FLASHINFER_ALLREDUCE_BACKEND=auto and kernels older than 0.7.4 (those
-#  of flashinfer-python, or of an older flashinfer-jit-cache that
-#  FLASHINFER_DISABLE_VERSION_CHECK lets FlashInfer load), one node uses
-#  trtllm and a multi-node group turns FlashInfer all-reduce off (trtllm
-#  cannot span nodes). On 0.7.4 and newer the override is retired (the
-#  flashinfer#7782 entry of FI_AR_KNOWN_ISSUES has fixed_in="0.7.4"): `auto`
-#  makes 0.33.0's own choice and the start-up line says so. An explicit
-#  backend is obeyed, with a warning for mnnvl on kernels without the fix.
-#  Workspace creation is collective, so flashinfer_all_reduce_group makes
-#  the ranks agree on that decision once per group (off if they differ),
-#  keeps it across destroy_fi_ar_workspace() and counts nodes once per
-#  group. The agreement round also carries each rank's kernel load (done
-#  before anything collective, as a JIT build may take minutes) and, on a
-#  group spanning nodes, FlashInfer's own NVLink fabric probe
-#  (is_mnnvl_fabric_supported): mnnvl across nodes without a fabric on
-#  every rank only times out in FlashInfer's handle exchange (vllm#51986),
-#  so the policy turns it off, for `auto` and an explicit mnnvl alike.
-#  flashinfer_all_reduce_creation then runs FlashInfer's collectives on a
-#  gloo group of the same ranks bounded at FI_AR_CREATE_TIMEOUT_S (300 s;
-#  vLLM's gloo groups wait 30 minutes) and has the ranks vote on vLLM's
-#  group, so a creation failing on any rank, before, during or after
-#  FlashInfer's rendezvous, ends the same way on all of them within the
-#  bound. This fixes start-up hangs that stock 0.33.0 has with or without
-#  HiSparse.
-#  Changes here: _resolve_fi_ar_backend delegates to the group module,
-#  _node_count is its per-group cached count, _create_workspace hands
-#  upstream's (renamed _create_workspace_on_rank) to create_on_every_rank;
-#  _create_workspace_on_rank takes the comm backend and group FlashInfer's
-#  collectives run on and raises on failure instead of logging.
-#  Messages changed on purpose: the debug lines of _resolve_fi_ar_backend
-#  become one info line per group naming the backend and why (a warning for
-#  an explicit mnnvl without a fabric); upstream's per-rank "Failed to
-#  initialize FlashInfer All Reduce workspace" and "multicast is
-#  unavailable" warnings become one warning on every rank naming the rank
-#  that failed and its error, or the one that did not answer in time; new
-#  are the explicit-mnnvl-with-HiSparse warning, the error for ranks that
-#  disagree and the warning for kernels that failed to load.
+#  runs on 8xB200 TP8), fixed in flashinfer-python 0.7.4 (LamportFlags::
+#  ctaArrive()); vllm 0.33.0 pins 0.7.2.post1. flashinfer_all_reduce_policy
+#  decides: with HiSparse, `auto` and kernels older than 0.7.4 (also those
+#  of an older flashinfer-jit-cache that FLASHINFER_DISABLE_VERSION_CHECK
+#  lets FlashInfer load), one node uses trtllm and a multi-node group is off
+#  (trtllm cannot span nodes); on 0.7.4 the override retires itself. An
+#  explicit backend is obeyed, with a warning for mnnvl without the fix. A
+#  multi-node group where FlashInfer's is_mnnvl_fabric_supported is false on
+#  some rank is off: mnnvl only times out there (vllm#51986).
+#  Creation is collective: flashinfer_all_reduce_group makes the ranks agree
+#  once per group (off if they differ) in one round that also carries each
+#  rank's kernel load (done first, as a JIT build takes minutes) and fabric
+#  probe; flashinfer_all_reduce_creation runs FlashInfer's collectives on a
+#  gloo group bounded at FI_AR_CREATE_TIMEOUT_S (300 s; vLLM's wait 30 min)
+#  and has the ranks vote, so a creation failing on any rank ends the same
+#  way on all within the bound. This fixes start-up hangs of stock 0.33.0.
+#  Changes here: _resolve_fi_ar_backend and _node_count come from the group
+#  module; _create_workspace hands upstream's (now _create_workspace_on_rank,
+#  which takes FlashInfer's comm backend and group and raises on failure) to
+#  create_on_every_rank. Messages changed on purpose: one info line per group
+#  names the backend and why (a warning for explicit mnnvl without a fabric
+#  or with HiSparse); upstream's per-rank creation warnings become one
+#  warning on every rank naming the rank that failed and its error.
 # Bug: https://github.com/vllm-project/vllm/issues/64327
-# Bug: https://github.com/vllm-project/vllm/issues/51986 (mnnvl across nodes
-#  without an NVLink fabric)
+# Bug: https://github.com/vllm-project/vllm/issues/51986 (the fabric vote)
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
 # Origin: vendor
 # Forwarded: https://github.com/vllm-project/vllm/issues/64327 (the HiSparse
-#  override); the fabric vote is upstream's open vllm PR 53377
-#  (https://github.com/vllm-project/vllm/pull/53377); not yet (the rank
-#  agreement, the kernel-load vote and the bounded creation)
+#  override); the fabric vote is upstream's open vllm PR 53377; not yet (the
+#  rank agreement and the bounded, voted creation)
 # Base: vllm==0.33.0
 # Last-Update: 2026-12-01
 # Applied-Upstream: no
-# Drop-When: the HiSparse override, once the flashinfer-python that vLLM
-#  pins is 0.7.4 or newer (the override is then retired on every install of
-#  that base), or once vLLM upstream keeps HiSparse off MNNVL itself
-#  (vllm#64327); the fabric vote, once the vLLM release this build is based
-#  on carries vllm PR 53377 or another fix of vllm#51986; the rank
-#  agreement, the kernel-load vote and the bounded creation, once upstream
-#  vLLM makes the ranks of a group agree on the backend and bounds and
-#  shares each workspace creation.
+# Drop-When: the HiSparse override, once vLLM pins flashinfer-python 0.7.4
+#  or newer, or keeps HiSparse off MNNVL itself (vllm#64327); the fabric
+#  vote, once the base release carries vllm PR 53377 or another fix of
+#  vllm#51986; the rest, once upstream vLLM makes the ranks of a group agree
+#  on the backend and bounds and shares each workspace creation.
 
 import atexit
+import functools
 import os
 import random
 import threading
@@ -157,11 +135,7 @@ def _create_workspace_on_rank(
     comm_backend: Any,
     comm_group: ProcessGroup,
 ):
-    """This rank's part of creating a workspace; raises on failure.
-
-    FlashInfer's collectives run on `comm_backend` and `comm_group` (see
-    create_on_every_rank); the workspace belongs to `group`.
-    """
+    """This rank's part of a creation (see create_on_every_rank); raises."""
     rng_state = random.getstate()
     try:
         random.seed(int.from_bytes(os.urandom(16), byteorder="big"))
@@ -223,25 +197,13 @@ def _create_workspace(
 ):
     """Create a flashinfer allreduce workspace, returning None on failure.
 
-    On every rank of `group` or on none, within a bound: FlashInfer's
-    collectives time out after FI_AR_CREATE_TIMEOUT_S on a group of their
-    own, even for a rank that fails before the rendezvous, and the ranks
-    then vote; see create_on_every_rank.
+    On every rank or on none, within FI_AR_CREATE_TIMEOUT_S, even when a rank
+    fails before FlashInfer's rendezvous; see create_on_every_rank.
     """
-
-    def create(comm_backend: Any, comm_group: ProcessGroup):
-        return _create_workspace_on_rank(
-            backend,
-            world_size,
-            rank,
-            max_token_num,
-            hidden_dim,
-            dtype,
-            group,
-            comm_backend,
-            comm_group,
-        )
-
+    create = functools.partial(
+        _create_workspace_on_rank,
+        *(backend, world_size, rank, max_token_num, hidden_dim, dtype, group),
+    )
     return create_on_every_rank(
         group, backend, create, _release_workspace, TorchDistBackend
     )

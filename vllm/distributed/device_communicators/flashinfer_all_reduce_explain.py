@@ -899,11 +899,11 @@ def _print_text(
 
 
 def _fabric_input(inputs: FiArBackendInputs) -> str:
-    """The NVLink fabric part of the inputs line: multi-node groups only."""
-    if inputs.node_count == 1:
+    """The NVLink fabric part of the inputs line, once given; where it is
+    unknown and counts, `assumed` says so."""
+    if inputs.fabric is None:
         return ""
-    fabric = {None: "unknown", True: "yes", False: "no"}[inputs.fabric]
-    return f"NVLink fabric {fabric}, "
+    return f"NVLink fabric {'yes' if inputs.fabric else 'no'}, "
 
 
 def _jit_cache_input(inputs: FiArBackendInputs) -> str:
