@@ -10,10 +10,19 @@ is not there. The creation's bound is set short (BOUND) so a hang shows as
 the group running into its deadline.
 """
 
+import importlib
+from datetime import timedelta
 from typing import Any
 
 import pytest
-from fi_ar_utils import ENV, every_rank, namespaces_unavailable, run_group
+import torch.distributed as dist
+from fi_ar_utils import (
+    CREATION_MODULE,
+    ENV,
+    every_rank,
+    namespaces_unavailable,
+    run_group,
+)
 
 # The creation's bound in these tests, in seconds, and what a rank may take
 # beyond it (vote, fallback creation, log) on a loaded two-core machine.
@@ -220,3 +229,26 @@ def test_explicit_mnnvl_across_nodes_without_a_fabric_says_it_cannot_work(
             f"({ENV}=mnnvl is set explicitly; but mnnvl across nodes needs an "
             "NVLink fabric"
         )
+
+
+def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
+    """FlashInfer keeps the comm backend it was created with for later
+    collectives (checkpoint_prepare's barrier): after the creation they run
+    on vLLM's group, as upstream's did, not on the destroyed bounded one."""
+    from flashinfer.comm.mnnvl import TorchDistBackend
+
+    creation = importlib.import_module(CREATION_MODULE)
+    bounded = dist.new_group(
+        [0],
+        backend="gloo",
+        timeout=timedelta(seconds=5),
+        use_local_synchronization=True,
+    )
+    comm = creation.CreationCommBackend(TorchDistBackend, bounded, cpu_group)
+    assert comm.allgather("handle") == ("handle",)
+    assert comm.steps == 1
+    comm.release()
+    dist.destroy_process_group(bounded)
+    comm.barrier()
+    assert comm.bcast("later", root=0) == "later"
+    assert comm.steps == 1, "only the creation's collectives count"
