@@ -15,6 +15,7 @@ from fi_ar_utils import (
     EXPLAIN_MODULE,
     MODULE,
     POLICY_MODULE,
+    FakeFlashInferDevice,
     FakeWorkspaceFactory,
     free_port,
     pin_gpu,
@@ -26,7 +27,7 @@ from fi_ar_utils import (
 # The four-rank group fixtures (about a minute each on 2
 # cores). Mutation runs (mutation/cosmic-ray.toml) leave them out with
 # `-m "not slow_rank_group"` and rely on the two-rank `one_node` group.
-SLOW_RANK_GROUPS = {"two_nodes", "uneven_ranks"}
+SLOW_RANK_GROUPS = {"two_nodes", "two_nodes_of_two", "uneven_ranks"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -67,6 +68,7 @@ def fi_ar(monkeypatch):
     """The module under test on a Blackwell-like CUDA device, reset after use."""
     module = importlib.import_module(MODULE)
     pin_gpu(monkeypatch, 100)
+    FakeFlashInferDevice().install(monkeypatch)
     monkeypatch.delenv(ENV, raising=False)
     reset_log_once()
     yield module

@@ -34,6 +34,7 @@ HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 POLICY_MODULE = f"{MODULE}_policy"
 GROUP_MODULE = f"{MODULE}_group"
+CREATION_MODULE = f"{MODULE}_creation"
 EXPLAIN_MODULE = f"{MODULE}_explain"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HIDDEN_DIM = 4096
@@ -73,26 +74,50 @@ class FakeWorkspace:
 class FakeWorkspaceFactory:
     """Fake `flashinfer_comm.create_allreduce_fusion_workspace`.
 
-    Like FlashInfer's, creation is a collective on the group: ranks exchange
-    their arguments. On GPUs, ranks that disagree would block in mismatched
-    rendezvous; here the rank ends at once with exit status RANK_WOULD_HANG,
-    so the group fails in seconds rather than at its timeout. `fail` lists
-    backends whose creation fails on this rank after that exchange;
-    `multicast` is what an mnnvl workspace reports.
+    Like FlashInfer's, creation is a collective: ranks exchange their
+    arguments through the comm backend they are given (FlashInfer exchanges
+    memory handles through it), or the group without one. On GPUs, ranks
+    that disagree would block in mismatched rendezvous; here the rank ends
+    at once with exit status RANK_WOULD_HANG, so the group fails in seconds
+    rather than at its timeout. `fail_before` lists backends whose creation
+    fails on this rank before that exchange (an allocation, say), while the
+    other ranks wait in it; `fail` those that fail after it; `multicast` is
+    what an mnnvl workspace reports.
     """
 
     fail: set[str] = field(default_factory=set)
+    fail_before: set[str] = field(default_factory=set)
     multicast: bool = True
     log: list[str] = field(default_factory=list)
 
-    def __call__(self, *, backend: str, group: Any = None, **kwargs: Any):
+    def __call__(
+        self,
+        *,
+        backend: str,
+        group: Any = None,
+        comm_backend: Any = None,
+        **kwargs: Any,
+    ):
         import torch.distributed as dist
 
         self.log.append(f"create:{backend}")
+        if backend in self.fail_before:
+            raise RuntimeError(f"injected {backend} workspace failure before exchange")
+        if backend == "trtllm":
+            # FlashInfer's trtllm creation loads its kernel module (a JIT
+            # build on a cold cache) in the middle of its collectives.
+            import importlib
+
+            importlib.import_module(
+                "flashinfer.comm.trtllm_ar"
+            ).get_trtllm_comm_module()
         if group is not None and dist.get_world_size(group) > 1:
             mine = (backend, kwargs.get("max_token_num"), kwargs.get("hidden_dim"))
-            everyone: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(everyone, mine, group=group)
+            if comm_backend is not None:
+                everyone = list(comm_backend.allgather(mine))
+            else:
+                everyone = [None] * dist.get_world_size(group)
+                dist.all_gather_object(everyone, mine, group=group)
             if any(theirs != mine for theirs in everyone):
                 print(f"workspace arguments differ across ranks: {everyone}")
                 sys.stdout.flush()
@@ -147,6 +172,64 @@ def pin_gpu(
         "default_fi_allreduce_fusion_max_size_mb",
         staticmethod(lambda: FUSION_MAX_SIZE_MB),
     )
+
+
+@dataclass
+class FakeFlashInferDevice:
+    """FlashInfer's device-side steps before a creation, faked at its
+    boundary: the NVLink fabric probe (`is_mnnvl_fabric_supported` in
+    flashinfer.comm.mnnvl), the kernel-module loaders each backend calls
+    (which build kernels, JIT, on a cold cache) and the CUDA device index.
+
+    `load_seconds` is how long a load takes (a cold JIT build), and
+    `load_fails` the backends whose kernels fail to load.
+    """
+
+    fabric: bool = True
+    load_seconds: float = 0.0
+    load_fails: set[str] = field(default_factory=set)
+    probes: int = 0
+    loads: list[str] = field(default_factory=list)
+
+    def install(self, patch: Any) -> None:
+        import importlib
+
+        import torch
+
+        loaders = {
+            "trtllm": ("flashinfer.comm.trtllm_ar", "get_trtllm_comm_module"),
+            "mnnvl": (
+                "flashinfer.comm.trtllm_mnnvl_ar",
+                "get_trtllm_mnnvl_comm_module",
+            ),
+        }
+        for backend, (module, loader) in loaders.items():
+            patch.setattr(
+                importlib.import_module(module), loader, self._loader(backend)
+            )
+        patch.setattr(
+            importlib.import_module("flashinfer.comm.mnnvl"),
+            "is_mnnvl_fabric_supported",
+            self._probe,
+        )
+        patch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def _probe(self, device_idx: int) -> bool:
+        self.probes += 1
+        return self.fabric
+
+    def _loader(self, backend: str) -> Any:
+        """A loader that builds once, as FlashInfer's (functools.cache)."""
+
+        def load() -> object:
+            if backend not in self.loads:
+                time.sleep(self.load_seconds)
+                if backend in self.load_fails:
+                    raise RuntimeError(f"injected {backend} kernel build failure")
+                self.loads.append(backend)
+            return object()
+
+        return load
 
 
 def reset_log_once() -> None:
@@ -397,11 +480,13 @@ COLLECTIVES = (
 
 
 class CollectiveCounter:
-    """Counts collective rounds, and vLLM's node probes, while installed."""
+    """Counts collective rounds, vLLM's node probes and process groups made
+    (making a gloo group is a rendezvous of its ranks too) while installed."""
 
     def __init__(self) -> None:
         self.collectives = 0
         self.node_probes = 0
+        self.groups = 0
         self._depth = 0
 
     def install(self, patch: Any) -> None:
@@ -411,6 +496,7 @@ class CollectiveCounter:
 
         for name in COLLECTIVES:
             patch.setattr(dist, name, self._counting(getattr(dist, name)))
+        patch.setattr(dist, "new_group", self._making(dist.new_group))
         probe = parallel_state.in_the_same_node_as
         patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
 
@@ -423,6 +509,13 @@ class CollectiveCounter:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
+
+        return counted
+
+    def _making(self, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.groups += 1
+            return fn(*args, **kwargs)
 
         return counted
 
@@ -475,12 +568,21 @@ def _run_rank(rank: int, spec_path: str) -> None:
             f.write(json.dumps(result) + "\n")
 
 
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     """Acquire workspaces the way a worker does, recording what happened.
 
-    Case keys: name, env, hisparse, capability, multicast, fail (backends
-    whose creation fails) and reacquire (destroy, then acquire again outside
-    the config); `per_rank` maps a rank to overrides of any of them.
+    Case keys: name, env, hisparse, capability, multicast, fail and
+    fail_before (backends whose creation fails after or before FlashInfer's
+    exchange), fabric, load_seconds and load_fails (see
+    FakeFlashInferDevice), bound (the creation's collective bound, in
+    seconds) and reacquire (destroy, then acquire again outside the
+    config); `per_rank` maps a rank to overrides of any of them.
     Each case gets a new gloo group, as a new engine would, so per-group
     state starts cold. The result counts collective rounds and node probes,
     and times the acquisition.
@@ -501,7 +603,13 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         patch.setenv(name, value)
     factory = FakeWorkspaceFactory(
         fail=set(case.get("fail", [])),
+        fail_before=set(case.get("fail_before", [])),
         multicast=case.get("multicast", True),
+    )
+    device = FakeFlashInferDevice(
+        fabric=case.get("fabric", True),
+        load_seconds=case.get("load_seconds", 0.0),
+        load_fails=set(case.get("load_fails", [])),
     )
     result: dict[str, Any] = {"case": case["name"], "rank": rank}
     messages = _LogCollector()
@@ -509,9 +617,14 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     logging.getLogger("vllm").addHandler(messages)
     try:
         pin_gpu(patch, case.get("capability", 100))
+        device.install(patch)
         patch.setattr(
             fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
         )
+        if "bound" in case and _has_module(CREATION_MODULE):
+            # Stock vLLM and older trees have no bound to set.
+            creation = importlib.import_module(CREATION_MODULE)
+            patch.setattr(creation, "FI_AR_CREATE_TIMEOUT_S", case["bound"])
         config = build_config(case.get("hisparse", "off"))
         group = dist.new_group(backend="gloo")
         args = dict(
@@ -557,11 +670,14 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             }
         result["collectives"] = counter.collectives
         result["node_probes"] = counter.node_probes
+        result["groups"] = counter.groups
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()
     finally:
         result["log"] = factory.log
+        result["fabric_probes"] = device.probes
+        result["kernel_loads"] = device.loads
         result["messages"] = messages.lines
         logging.getLogger("vllm").removeHandler(messages)
         with contextlib.suppress(Exception):
@@ -605,6 +721,7 @@ def _reinit_cycles(cycles: int, out_path: str) -> None:
     fi_ar = importlib.import_module(MODULE)
     patch = pytest.MonkeyPatch()
     pin_gpu(patch, 100)
+    FakeFlashInferDevice().install(patch)
     patch.setattr(
         fi_ar.flashinfer_comm,
         "create_allreduce_fusion_workspace",

@@ -383,12 +383,12 @@ def test_explain_text_names_every_input(explain, capsys, monkeypatch):
         explain,
         capsys,
         *("--nnodes", "2", "--capability", "10.0", "--hisparse", "--multicast"),
-        *("--flashinfer-version", "0.7.2.post1", "-tp", "16"),
+        *("--flashinfer-version", "0.7.2.post1", "-tp", "16", "--no-fabric"),
     )
     assert _text_line(out, "inputs") == (
         f"  inputs: {ENV}=auto, 2 node(s), TP 16, GPU SM100, HiSparse on, "
-        "multicast yes, VLLM_ALLREDUCE_USE_FLASHINFER=1, fuse_allreduce_rms "
-        "default, flashinfer-python 0.7.2.post1"
+        "multicast yes, NVLink fabric no, VLLM_ALLREDUCE_USE_FLASHINFER=1, "
+        "fuse_allreduce_rms default, flashinfer-python 0.7.2.post1"
     )
     pin_gpu(monkeypatch, None)
     monkeypatch.setenv("VLLM_ALLREDUCE_USE_FLASHINFER", "0")
@@ -469,15 +469,52 @@ def test_explain_takes_the_installed_jit_cache_by_default(
 
 def test_decision_table_shows_auto_with_and_without_the_fix(explain):
     table = explain.fi_ar_decision_table()
-    rows = [line.split(" | ")[:6] for line in table.splitlines()[2:]]
+    rows = [line.split(" | ")[:7] for line in table.splitlines()[2:]]
     auto_hisparse_two_nodes = [
-        (row[4], row[5]) for row in rows if row[:4] == ["| `auto`", "2", "SM100", "on"]
+        (row[5], row[6])
+        for row in rows
+        if row[:5] == ["| `auto`", "2", "yes", "SM100", "on"]
     ]
     assert auto_hisparse_two_nodes == [
         ("< 0.7.4", "off"),
         (">= 0.7.4", "mnnvl (off if no multicast)"),
     ]
-    assert ["| `auto`", "1", "SM100", "off", "any"] in [row[:5] for row in rows]
+    assert ["| `auto`", "1", "n/a", "SM100", "off", "any"] in [row[:6] for row in rows]
+
+
+def test_decision_table_shows_multi_node_mnnvl_without_a_fabric_off(explain):
+    table = explain.fi_ar_decision_table()
+    rows = [line.split(" | ")[:7] for line in table.splitlines()[2:]]
+    assert table.splitlines()[0].startswith(
+        "| `VLLM_FLASHINFER_ALLREDUCE_BACKEND` | Nodes | Fabric | GPU |"
+    )
+    by_fabric = {
+        row[2]: row[6]
+        for row in rows
+        if row[:2] == ["| `auto`", "2"] and row[3:6] == ["SM100", "off", "any"]
+    }
+    assert by_fabric == {"yes": "mnnvl (off if no multicast)", "no": "off"}
+    # Where fabric changes nothing, one row says so.
+    assert ["| `auto`", "2", "any", "SM90", "off", "any", "off"] in rows
+
+
+@pytest.mark.parametrize(
+    ("argv", "backend", "fabric"),
+    [
+        ([], "mnnvl", None),
+        (["--fabric"], "mnnvl", True),
+        (["--no-fabric"], None, False),
+    ],
+)
+def test_explain_takes_fabric_support_unknown_by_default(
+    explain, capsys, argv, backend, fabric
+):
+    explained = _json(explain, capsys, "--nnodes", "2", "--capability", "10.0", *argv)
+    assert explained["backend"] == backend
+    assert explained["inputs"]["fabric"] is fabric
+    assert (explain.FABRIC_ASSUMED in explained["assumed"]) is (fabric is None)
+    if fabric is False:
+        assert "needs an NVLink fabric" in explained["reason"]
 
 
 @pytest.mark.parametrize(

@@ -361,3 +361,26 @@ def test_policy_turns_explicit_mnnvl_off_without_multicast(policy):
         multicast=False,
     )
     assert policy.decide_fi_ar_backend(inputs).backend is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "backend"),
+    [
+        ({"node_count": 2, "fabric": False}, None),
+        ({"node_count": 2, "fabric": False, "setting": "mnnvl"}, None),
+        ({"node_count": 2, "fabric": False, "flashinfer_version": "0.7.4"}, None),
+        ({"node_count": 2, "fabric": True}, "mnnvl"),
+        ({"node_count": 2, "fabric": None}, "mnnvl"),
+        # One node needs no fabric.
+        ({"fabric": False}, "mnnvl"),
+        ({"fabric": False, "hisparse": True}, "trtllm"),
+    ],
+)
+def test_mnnvl_across_nodes_needs_an_nvlink_fabric(policy, overrides, backend):
+    decision = policy.decide_fi_ar_backend(_inputs(policy, **overrides))
+    assert decision.backend == backend
+    if overrides["fabric"] is False and overrides.get("node_count") == 2:
+        assert decision.reason.endswith(
+            "but mnnvl across nodes needs an NVLink fabric (multi-node NVLink), "
+            "which not every rank has, so FlashInfer all-reduce is off"
+        )

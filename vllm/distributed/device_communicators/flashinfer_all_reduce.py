@@ -3,49 +3,51 @@
 #
 # Description: Keep HiSparse off FlashInfer's MNNVL all-reduce while the
 #  FlashInfer kernels that will run lack the fix; make every rank of a group
-#  take the same path.
+#  take the same path, within a bound; no mnnvl across nodes without an
+#  NVLink fabric.
 #  HiSparse's host gathers set off a cluster-barrier race in FlashInfer's
 #  MNNVL fused all-reduce ("CUDA error: unspecified launch failure", 7 of 7
-#  runs on 8xB200 TP8). flashinfer-python 0.7.4 fixes it (every thread waits
-#  in LamportFlags::ctaArrive(), flashinfer/comm/trtllm_mnnvl_allreduce.cuh);
-#  vllm 0.33.0 pins 0.7.2.post1. The backend is now decided by
-#  flashinfer_all_reduce_policy.decide_fi_ar_backend: with HiSparse on,
-#  VLLM_FLASHINFER_ALLREDUCE_BACKEND=auto and kernels older than 0.7.4 (those
-#  of flashinfer-python, or of an older flashinfer-jit-cache that
-#  FLASHINFER_DISABLE_VERSION_CHECK lets FlashInfer load), one node uses
-#  trtllm and a multi-node group turns FlashInfer all-reduce off (trtllm
-#  cannot span nodes). On 0.7.4 and newer the override is retired (the
-#  flashinfer#7782 entry of FI_AR_KNOWN_ISSUES has fixed_in="0.7.4"): `auto`
-#  makes 0.33.0's own choice and the start-up line says so. An explicit
-#  backend is obeyed, with a warning for mnnvl on kernels without the fix.
-#  Workspace creation is collective, so flashinfer_all_reduce_group makes
-#  the ranks agree on that decision once per group (off if they differ),
-#  keeps it across destroy_fi_ar_workspace(), counts nodes once per group,
-#  and has the ranks vote on each creation (see _create_workspace). This
-#  fixes a start-up hang that stock 0.33.0 has with or without HiSparse.
-#  Changes here: _resolve_fi_ar_backend delegates to that module,
-#  _node_count is its per-group cached count, and _create_workspace wraps
-#  upstream's (renamed _create_workspace_on_rank) with the vote.
-#  Messages changed on purpose: the debug lines of _resolve_fi_ar_backend
-#  become one info line per group naming the backend and why; new are the
-#  explicit-mnnvl-with-HiSparse warning, the error for ranks that disagree
-#  and the warning for a creation that failed on another rank.
+#  runs on 8xB200 TP8), fixed in flashinfer-python 0.7.4 (LamportFlags::
+#  ctaArrive()); vllm 0.33.0 pins 0.7.2.post1. flashinfer_all_reduce_policy
+#  decides: with HiSparse, `auto` and kernels older than 0.7.4 (also those
+#  of an older flashinfer-jit-cache that FLASHINFER_DISABLE_VERSION_CHECK
+#  lets FlashInfer load), one node uses trtllm and a multi-node group is off
+#  (trtllm cannot span nodes); on 0.7.4 the override retires itself. An
+#  explicit backend is obeyed, with a warning for mnnvl without the fix. A
+#  multi-node group where FlashInfer's is_mnnvl_fabric_supported is false on
+#  some rank is off: mnnvl only times out there (vllm#51986).
+#  Creation is collective: flashinfer_all_reduce_group makes the ranks agree
+#  once per group (off if they differ) in one round that also carries each
+#  rank's kernel load (done first, as a JIT build takes minutes) and fabric
+#  probe; flashinfer_all_reduce_creation runs FlashInfer's collectives on a
+#  gloo group bounded at FI_AR_CREATE_TIMEOUT_S (300 s; vLLM's wait 30 min)
+#  and has the ranks vote, so a creation failing on any rank ends the same
+#  way on all within the bound. This fixes start-up hangs of stock 0.33.0.
+#  Changes here: _resolve_fi_ar_backend and _node_count come from the group
+#  module; _create_workspace hands upstream's (now _create_workspace_on_rank,
+#  which takes FlashInfer's comm backend and group and raises on failure) to
+#  create_on_every_rank. Messages changed on purpose: one info line per group
+#  names the backend and why (a warning for explicit mnnvl without a fabric
+#  or with HiSparse); upstream's per-rank creation warnings become one
+#  warning on every rank naming the rank that failed and its error.
 # Bug: https://github.com/vllm-project/vllm/issues/64327
+# Bug: https://github.com/vllm-project/vllm/issues/51986 (the fabric vote)
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
 # Origin: vendor
 # Forwarded: https://github.com/vllm-project/vllm/issues/64327 (the HiSparse
-#  override); not yet (the rank agreement and the creation vote)
+#  override); the fabric vote is upstream's open vllm PR 53377; not yet (the
+#  rank agreement and the bounded, voted creation)
 # Base: vllm==0.33.0
 # Last-Update: 2026-12-01
 # Applied-Upstream: no
-# Drop-When: the HiSparse override, once the flashinfer-python that vLLM
-#  pins is 0.7.4 or newer (the override is then retired on every install of
-#  that base), or once vLLM upstream keeps HiSparse off MNNVL itself
-#  (vllm#64327); the rank agreement and the creation vote, once upstream
-#  vLLM makes the ranks of a group agree on the backend and on each
-#  workspace creation.
+# Drop-When: the HiSparse override, once vLLM pins flashinfer-python 0.7.4
+#  or newer, or keeps HiSparse off MNNVL itself (vllm#64327); the fabric
+#  vote, once the base release carries vllm PR 53377 or another fix of
+#  vllm#51986; the rest, once upstream vLLM makes the ranks of a group agree
+#  on the backend and bounds and shares each workspace creation.
 
 import atexit
+import functools
 import os
 import random
 import threading
@@ -60,14 +62,16 @@ from vllm.config.compilation import PassConfig
 from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
 )
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
-    all_ranks_succeeded,
-    resolve_fi_ar_backend,
+from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
+    create_on_every_rank,
 )
 
 # Counting nodes is collective; count each group once.
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     group_node_count as _node_count,
+)
+from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
+    resolve_fi_ar_backend,
 )
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -128,9 +132,10 @@ def _create_workspace_on_rank(
     hidden_dim: int,
     dtype: torch.dtype,
     group: ProcessGroup,
+    comm_backend: Any,
+    comm_group: ProcessGroup,
 ):
-    """This rank's part of creating a workspace, returning None on failure."""
-    comm_backend = TorchDistBackend(group=group)
+    """This rank's part of a creation (see create_on_every_rank); raises."""
     rng_state = random.getstate()
     try:
         random.seed(int.from_bytes(os.urandom(16), byteorder="big"))
@@ -145,28 +150,13 @@ def _create_workspace_on_rank(
                 hidden_dim=hidden_dim,
                 dtype=dtype,
                 comm_backend=comm_backend,
-                group=group,
+                group=comm_group,
             )
         if backend == "mnnvl" and not getattr(workspace, "mc_ptr", 0):
             workspace.destroy()
-            logger.warning_once(
-                "FlashInfer MNNVL multicast is unavailable on the current topology."
+            raise RuntimeError(
+                "FlashInfer MNNVL multicast is unavailable on the current topology"
             )
-            return None
-    except Exception as e:
-        if "multicast" in str(e).lower():
-            logger.warning_once(
-                "Failed to initialize FlashInfer All Reduce workspace: %s. "
-                "This is expected on GPUs without NVSwitch (e.g., NVLink "
-                "bridge-only or PCIe topologies).",
-                e,
-            )
-        else:
-            logger.warning_once(
-                "Failed to initialize FlashInfer All Reduce workspace: %s.",
-                e,
-            )
-        return None
     finally:
         random.setstate(rng_state)
     workspace_id = id(workspace)
@@ -190,6 +180,12 @@ def _create_workspace_on_rank(
     return workspace
 
 
+def _release_workspace(workspace: Any) -> None:
+    """Destroy a workspace that another rank failed to create."""
+    del _fi_ar_workspace_groups[id(workspace)]
+    workspace.destroy()
+
+
 def _create_workspace(
     backend: str,
     world_size: int,
@@ -201,25 +197,16 @@ def _create_workspace(
 ):
     """Create a flashinfer allreduce workspace, returning None on failure.
 
-    The ranks vote on the outcome, so a creation that fails on one rank
-    after FlashInfer's rendezvous is released on the others and every rank
-    takes the same next step. A rank that fails before the rendezvous still
-    leaves the others blocked inside FlashInfer, as in upstream.
+    On every rank or on none, within FI_AR_CREATE_TIMEOUT_S, even when a rank
+    fails before FlashInfer's rendezvous; see create_on_every_rank.
     """
-    workspace = _create_workspace_on_rank(
-        backend, world_size, rank, max_token_num, hidden_dim, dtype, group
+    create = functools.partial(
+        _create_workspace_on_rank,
+        *(backend, world_size, rank, max_token_num, hidden_dim, dtype, group),
     )
-    if all_ranks_succeeded(workspace is not None, group):
-        return workspace
-    if workspace is not None:
-        del _fi_ar_workspace_groups[id(workspace)]
-        workspace.destroy()
-        logger.warning_once(
-            "FlashInfer %s all-reduce workspace failed on another rank; "
-            "released it here so all ranks take the same path.",
-            backend,
-        )
-    return None
+    return create_on_every_rank(
+        group, backend, create, _release_workspace, TorchDistBackend
+    )
 
 
 def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:

@@ -136,6 +136,13 @@ ANSWER_KEYS = (
     "assumed",
     "inputs",
 )
+# NVLink fabric answers a multi-node row of the decision table is given for.
+_FABRICS = [("yes", True), ("no", False)]
+# What explain takes for a multi-node mnnvl group while fabric is unknown.
+FABRIC_ASSUMED = (
+    "an NVLink fabric on every node, which start-up probes (pass --no-fabric "
+    "for nodes joined by InfiniBand or Ethernet only)"
+)
 # Where vLLM keeps FlashInfer all-reduce's size limit (MB) by GPU and TP size.
 _SIZE_LIMITS_MODULE = "vllm.compilation.passes.fusion.allreduce_rms_fusion"
 _SIZE_LIMITS_NAME = "FI_ALLREDUCE_FUSION_MAX_SIZE_MB"
@@ -302,6 +309,8 @@ def explain_fi_ar_backend(
         )
     decision = decide_fi_ar_backend(inputs)
     error = backend_span_error(decision.backend, inputs.node_count)
+    if decision.backend == "mnnvl" and inputs.node_count > 1 and inputs.fabric is None:
+        assumed = [*assumed, FABRIC_ASSUMED]
     if_no_multicast = None
     if inputs.multicast is None and error is None:
         other = decide_fi_ar_backend(dataclasses.replace(inputs, multicast=False))
@@ -424,9 +433,12 @@ def fi_ar_decision_table() -> str:
     Multicast is left unknown, as it is at start-up, and there is no
     flashinfer-jit-cache. A row that FlashInfer's release changes is given
     once per release range of `flashinfer_worlds`; the others read "any".
+    A multi-node row is given with and without an NVLink fabric (start-up
+    probes it there), or once as "any" when that changes nothing; one node
+    is not probed ("n/a").
     """
-    columns = [f"`{FI_AR_BACKEND_ENV}`", "Nodes", "GPU", "HiSparse", "FlashInfer"]
-    columns += ["Backend", "Why"]
+    columns = [f"`{FI_AR_BACKEND_ENV}`", "Nodes", "Fabric", "GPU", "HiSparse"]
+    columns += ["FlashInfer", "Backend", "Why"]
     lines = [
         f"| {' | '.join(columns)} |",
         f"|{' --- |' * len(columns)}",
@@ -434,29 +446,52 @@ def fi_ar_decision_table() -> str:
     worlds = flashinfer_worlds()
     for setting in FI_AR_BACKEND_CHOICES:
         for node_count in (1, 2):
+            fabrics = [("n/a", None)] if node_count == 1 else _FABRICS
             for capability in (90, 100):
                 for hisparse in (False, True):
-                    rows = {}
-                    for label, release in worlds:
-                        explained = explain_fi_ar_backend(
+                    by_fabric = {
+                        label: _rows_by_release(
                             FiArBackendInputs(
                                 setting=setting,
                                 node_count=node_count,
                                 device_capability=capability,
                                 hisparse=hisparse,
-                                flashinfer_version=release,
+                                flashinfer_version=None,
+                                fabric=fabric,
+                            ),
+                            worlds,
+                        )
+                        for label, fabric in fabrics
+                    }
+                    if len(fabrics) > 1 and all(
+                        rows == by_fabric["yes"] for rows in by_fabric.values()
+                    ):
+                        by_fabric = {"any": by_fabric["yes"]}
+                    for fabric_label, rows in by_fabric.items():
+                        for label, row in rows.items():
+                            lines.append(
+                                f"| `{setting}` | {node_count} | {fabric_label} | "
+                                f"SM{capability} | {'on' if hisparse else 'off'} | "
+                                f"{label} | {row}"
                             )
-                        )
-                        why = explained["error"] or explained["reason"]
-                        rows[label] = f"{_describe_backend(explained)} | {why} |"
-                    if len(set(rows.values())) == 1:
-                        rows = {"any": next(iter(rows.values()))}
-                    for label, row in rows.items():
-                        lines.append(
-                            f"| `{setting}` | {node_count} | SM{capability} | "
-                            f"{'on' if hisparse else 'off'} | {label} | {row}"
-                        )
     return "\n".join(lines) + "\n"
+
+
+def _rows_by_release(
+    inputs: FiArBackendInputs, worlds: list[tuple[str, str | None]]
+) -> dict[str, str]:
+    """The table's backend and why for `inputs` in each FlashInfer range,
+    or once as "any" when the release changes nothing."""
+    rows = {}
+    for label, release in worlds:
+        explained = explain_fi_ar_backend(
+            dataclasses.replace(inputs, flashinfer_version=release)
+        )
+        why = explained["error"] or explained["reason"]
+        rows[label] = f"{_describe_backend(explained)} | {why} |"
+    if len(set(rows.values())) == 1:
+        return {"any": next(iter(rows.values()))}
+    return rows
 
 
 def parse_capability(text: str) -> int:
@@ -741,6 +776,15 @@ def _explain_parser() -> _ExplainParser:
         "at start-up)",
     )
     parser.add_argument(
+        "--fabric",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether every node's GPUs have an NVLink fabric (multi-node "
+        "NVLink, as in GB200 NVL72), which mnnvl needs across nodes; "
+        "FlashInfer's is_mnnvl_fabric_supported probes it at start-up "
+        "(default: unknown, taken as yes)",
+    )
+    parser.add_argument(
         "--flashinfer-version",
         default=installed_flashinfer_version(),
         help="flashinfer-python version (default: the installed one)",
@@ -845,12 +889,21 @@ def _print_text(
         f"GPU {f'SM{capability}' if capability else 'unknown'}, "
         f"HiSparse {'on' if inputs.hisparse else 'off'}, "
         f"multicast {multicast}, "
-        f"VLLM_ALLREDUCE_USE_FLASHINFER={int(usage.standalone_all_reduce)}, "
+        + _fabric_input(inputs)
+        + f"VLLM_ALLREDUCE_USE_FLASHINFER={int(usage.standalone_all_reduce)}, "
         f"fuse_allreduce_rms {fuse}, "
         + ("VLLM_BATCH_INVARIANT=1, " if usage.batch_invariant else "")
         + f"flashinfer-python {inputs.flashinfer_version or 'not installed'}"
         + _jit_cache_input(inputs)
     )
+
+
+def _fabric_input(inputs: FiArBackendInputs) -> str:
+    """The NVLink fabric part of the inputs line, once given; where it is
+    unknown and counts, `assumed` says so."""
+    if inputs.fabric is None:
+        return ""
+    return f"NVLink fabric {'yes' if inputs.fabric else 'no'}, "
 
 
 def _jit_cache_input(inputs: FiArBackendInputs) -> str:
@@ -899,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
         multicast=args.multicast,
         flashinfer_jit_cache_version=args.flashinfer_jit_cache_version or None,
         flashinfer_version_check=flashinfer_version_check(),
+        fabric=args.fabric,
     )
     explained = explain_deployment(inputs, usage)
     if args.json:

@@ -53,6 +53,10 @@ class FiArBackendInputs:
     flashinfer_version_check: bool = True
     """Whether FlashInfer refuses a flashinfer-jit-cache of another release;
     False while FLASHINFER_DISABLE_VERSION_CHECK is set."""
+    fabric: bool | None = None
+    """Whether every rank of a multi-node group has an NVLink fabric
+    (FlashInfer's `is_mnnvl_fabric_supported`); None while unknown. Start-up
+    probes it on every rank of a group that spans nodes."""
 
 
 @dataclass(frozen=True)
@@ -290,6 +294,35 @@ def _without_multicast(
     )
 
 
+def _without_fabric(
+    inputs: FiArBackendInputs, decision: FiArBackendDecision
+) -> FiArBackendDecision:
+    """What becomes of `decision` on a multi-node group without an NVLink fabric.
+
+    mnnvl spans nodes only over an NVLink fabric (GB200 NVL72 and the like),
+    where FlashInfer shares its memory as fabric handles. Without one,
+    FlashInfer 0.7.2.post1 falls back to POSIX file descriptors over a local
+    socket, which cannot reach another node (`make_handle_exchanger` in
+    flashinfer/comm/mnnvl.py), and times out (vllm#51986); 0.7.4 raises
+    (`choose_mnnvl_handle_type`). So the choice is off, for `auto` and an
+    explicit mnnvl alike. One node needs no fabric.
+    """
+    if (
+        decision.backend != "mnnvl"
+        or inputs.node_count == 1
+        or inputs.fabric is not False
+    ):
+        return decision
+    return FiArBackendDecision(
+        None,
+        False,
+        f"{decision.reason}; but mnnvl across nodes needs an NVLink fabric "
+        "(multi-node NVLink), which not every rank has, so FlashInfer "
+        "all-reduce is off",
+        known_issue=decision.known_issue,
+    )
+
+
 def decide_fi_ar_backend(
     inputs: FiArBackendInputs,
     known_issues: tuple[FiArKnownIssue, ...] | None = None,
@@ -300,9 +333,11 @@ def decide_fi_ar_backend(
     reason). `auto` takes vllm 0.33.0's choice, then steers around any
     unfixed known issue that applies to it. `known_issues` defaults to
     FI_AR_KNOWN_ISSUES. Multicast known to be missing turns an mnnvl choice
-    off, as its failed workspace does at start-up.
+    off, as its failed workspace does at start-up; so does a multi-node
+    group known to lack an NVLink fabric, where mnnvl cannot work.
     """
-    return _without_multicast(inputs, _decide(inputs, known_issues))
+    decision = _decide(inputs, known_issues)
+    return _without_fabric(inputs, _without_multicast(inputs, decision))
 
 
 def _decide(
