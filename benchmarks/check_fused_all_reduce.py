@@ -48,7 +48,9 @@ DTYPES = ("bf16", "fp16")
 # The hidden sizes of the models HiSparse serves (DeepSeek V3.2, GLM-5).
 HIDDEN_SIZES = (7168, 6144)
 CPU_MAX_TOKENS = 64
-INJECT_KINDS = ("wrong", "die", "stall", "kill")
+# wrong, die and stall are --self-test's; kill (no last words) and fallback
+# (the op's gate refuses every call, on every rank) are for the tests.
+INJECT_KINDS = ("wrong", "die", "stall", "kill", "fallback")
 # After a first fault, how long the other ranks get to report before they
 # are killed.
 GRACE_SECONDS = 2.0
@@ -248,6 +250,7 @@ class RankState:
     phase: int = 0
     iterations: int = 0
     mismatches: int = 0
+    exited: float = 0.0
     changed: float = field(default_factory=time.monotonic)
 
 
@@ -266,7 +269,7 @@ class Launcher:
         self.printed_lines: set[str] = set()
 
     def run(self) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="check-fused-all-reduce-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="cfar-") as tmp:
             progress = Path(tmp, "progress")
             progress.write_bytes(b"\0" * PROGRESS_SIZE * self.args.tp)
             spec_path = Path(tmp, "spec.json")
@@ -300,6 +303,11 @@ class Launcher:
     def start(self, rank: int, spec_path: Path, tmp: Path) -> RankState:
         read_fd, write_fd = os.pipe()
         log = tmp / f"rank{rank}.log"
+        # What vLLM, torch and FlashInfer leave in the temporary folder (IPC
+        # sockets, scratch folders) goes with the run's folder.
+        # Short: vLLM's IPC socket paths under it must fit in 107 bytes.
+        scratch = tmp / f"t{rank}"
+        scratch.mkdir()
         with log.open("w") as out:
             proc = subprocess.Popen(
                 [
@@ -309,6 +317,7 @@ class Launcher:
                     str(rank),
                     str(write_fd),
                 ],
+                env={**os.environ, "TMPDIR": str(scratch)},
                 pass_fds=(write_fd,),
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -426,8 +435,14 @@ class Launcher:
     def check_exits(self) -> None:
         for rank, state in enumerate(self.ranks):
             code = state.proc.poll()
-            if code is None or state.done or not state.closed:
+            if code is None or state.done:
                 continue
+            if not state.closed:
+                # Its last words may still be in the pipe, unless a child
+                # it left behind holds the pipe open.
+                state.exited = state.exited or time.monotonic()
+                if time.monotonic() - state.exited < GRACE_SECONDS:
+                    continue
             if any(rank in f["ranks"] for f in self.faults + self.aftermath):
                 continue
             if code < 0:
@@ -536,6 +551,7 @@ def summarize(
                         # The slowest rank's, as the group waits for it.
                         row[name] = max(row.get(name, 0.0), value * 1e6)
     iterations = min(s.iterations for s in ranks)
+    cost = iteration_cost([e for e in events if e["event"] == "latency"])
     mismatch_count = sum(s.mismatches for s in ranks)
     reasons = []
     if faults:
@@ -570,8 +586,35 @@ def summarize(
         "faults": faults,
         "aftermath": aftermath,
         "latency": list(latency.values()),
+        "iteration_cost_us": cost,
         "startup_lines": info.get("lines", []),
     }
+
+
+def iteration_cost(events: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Wall time per checked iteration, split into the op, the NCCL +
+    RMSNorm reference and the rest (the harness's own cost: input copies,
+    the checker, progress); the slowest rank's."""
+    per_rank: dict[int, list[float]] = {}
+    for event in events:
+        totals = per_rank.setdefault(event["rank"], [0, 0.0, 0.0, 0.0])
+        totals[0] += event["iterations"]
+        totals[1] += event["wall_seconds"]
+        totals[2] += event["fused_seconds"]
+        totals[3] += event["reference_seconds"]
+    costs = [
+        {
+            "total": wall / n * 1e6,
+            "op": fused / n * 1e6,
+            "reference": reference / n * 1e6,
+            "harness": (wall - fused - reference) / n * 1e6,
+        }
+        for n, wall, fused, reference in per_rank.values()
+        if n
+    ]
+    if not costs:
+        return None
+    return {k: round(v, 1) for k, v in max(costs, key=lambda c: c["total"]).items()}
 
 
 def describe_fault(fault: dict[str, Any]) -> str:
@@ -615,6 +658,13 @@ def format_summary(result: dict[str, Any]) -> str:
         f"  iterations  {result['iterations']} per rank in {result['elapsed']:.0f}s",
         f"  mismatches  {result['mismatches']}",
     ]
+    cost = result["iteration_cost_us"]
+    if cost:
+        lines.insert(
+            -1,
+            f"  per iteration {cost['total']:.0f} us: op {cost['op']:.0f}, "
+            f"NCCL+RMSNorm {cost['reference']:.0f}, harness {cost['harness']:.0f}",
+        )
     lines += [f"    {describe_mismatch(m)}" for m in result["mismatch_details"][:10]]
     lines.append(f"  faults      {len(result['faults'])}")
     lines += [f"    {describe_fault(f)}" for f in result["faults"]]
@@ -709,6 +759,10 @@ def self_test(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -716,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    # A launcher stopped by SIGTERM still stops its ranks (Launcher.run).
+    signal.signal(signal.SIGTERM, _terminated)
     if args.self_test:
         return self_test(args)
     result = run_check(args, args.inject_spec, args.seconds)

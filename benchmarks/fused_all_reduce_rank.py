@@ -17,6 +17,7 @@ the same code. What only GPUs run is in fused_all_reduce_gpu.py.
 """
 
 import contextlib
+import ctypes
 import importlib
 import json
 import logging
@@ -59,6 +60,7 @@ PDL_EDGE = (15, 16, 17)
 # on CPU, where that table (it imports CUDA ops) cannot load.
 CPU_FUSION_MAX_SIZE_MB = 64
 MiB = 1024 * 1024
+PR_SET_PDEATHSIG = 1
 # Mismatches sent in full per rank; the rest are only counted.
 MISMATCH_REPORTS = 20
 INJECTED_LAUNCH_FAILURE = (
@@ -436,6 +438,7 @@ class Rank:
         self.gpu = importlib.import_module(GPU_MODULE) if self.cuda else None
         self.replays = 0
         self.mismatch_reports = 0
+        self.decided_backend: str | None = None
         inject = spec.get("inject")
         self.inject = inject if inject and inject["rank"] == rank else None
 
@@ -475,14 +478,22 @@ class Rank:
         if not self.cuda:
             install_cpu_kernel(self.op_module)
         self.kernel = KernelCalls(self.op_module)
+        if (self.spec.get("inject") or {}).get("kind") == "fallback":
+            # Every rank's gate refuses, as on a group where FlashInfer
+            # cannot serve the op; the group stays in step.
+            self.op_module._can_use_flashinfer = lambda hidden_states, tp_size: (
+                False,
+                0,
+            )
         backend, _ = self.fi_ar._resolve_fi_ar_backend(self.tp_group.cpu_group)
+        self.decided_backend = backend
         from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
             group_node_count,
         )
 
         self.report.send(
             "info",
-            decided_backend=backend,
+            decided_backend=self.decided_backend,
             kernel=counted_kernel_release(self.tp_group.cpu_group),
             nodes=group_node_count(self.tp_group.cpu_group),
             platform=(
@@ -550,12 +561,20 @@ class Rank:
             tokens=sweep,
             lines=list(self.lines.lines),
         )
+        iterations = self.report.iterations
+        start = time.perf_counter()
         self.replay(cases, seconds)
         self.report.send(
             "latency",
             dtype=dtype,
             hidden=hidden,
             buckets=[case.latency() for case in cases],
+            # For the harness's own cost per iteration: all of it, and the
+            # parts that are the op and the reference.
+            iterations=self.report.iterations - iterations,
+            wall_seconds=time.perf_counter() - start,
+            fused_seconds=sum(sum(c.fused_seconds) for c in cases),
+            reference_seconds=sum(sum(c.reference_seconds) for c in cases),
         )
 
     def replay(self, cases: list["Case"], seconds: float) -> None:
@@ -656,11 +675,12 @@ class Case:
         before = kernel.count
         outputs = call()
         if kernel.count == before:
-            why = (
-                "vLLM's FlashInfer fusion op did not load"
-                if not kernel.available
-                else "the op's FlashInfer gate refused it"
-            )
+            if not kernel.available:
+                why = "vLLM's FlashInfer fusion op did not load"
+            elif self.owner.decided_backend is None:
+                why = "this build turned FlashInfer all-reduce off for the group"
+            else:
+                why = "the op's FlashInfer gate refused it"
             raise FallbackRan(
                 f"fused_allreduce_rms_norm ran NCCL + RMSNorm instead of "
                 f"FlashInfer's fused kernel ({why}) for {self.tokens} tokens, "
@@ -729,8 +749,15 @@ class Case:
         }
 
 
+def die_with_launcher() -> None:
+    """Ask Linux to kill this rank if the launcher goes, however it goes."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def main(argv: list[str]) -> None:
     spec_path, rank_text, fd_text = argv
+    die_with_launcher()
     spec = json.loads(Path(spec_path).read_text())
     rank = int(rank_text)
     reporter = Reporter(int(fd_text), spec["progress"], rank)
