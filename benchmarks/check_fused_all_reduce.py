@@ -281,6 +281,7 @@ class Launcher:
                 self.watch(progress)
             finally:
                 self.stop_all()
+            self.primary_fault_first()
             self.collect_log_tails()
         return self.result()
 
@@ -480,6 +481,15 @@ class Launcher:
             f"no progress for {quiet:.0f}s in {phase}{others}",
         )
 
+    def primary_fault_first(self) -> None:
+        """A rank that died without a word goes first: its peers' errors
+        (a closed connection) can reach us before its exit does."""
+        entries = self.faults + self.aftermath
+        died = [e for e in entries if e["kind"] == "died"]
+        if died and self.faults and self.faults[0]["kind"] != "died":
+            entries.remove(died[0])
+            self.faults, self.aftermath = [died[0]], entries
+
     def stop_all(self) -> None:
         """Kill every rank's session, with anything it started."""
         for state in self.ranks:
@@ -534,6 +544,9 @@ def summarize(
 ) -> dict[str, Any]:
     """The run as one record: what ran, what was checked, PASS or FAIL."""
     info = next((e for e in events if e["event"] == "info"), {})
+    # vLLM's lines about FlashInfer (the start-up line, the workspace's), as
+    # printed while it ran.
+    lines = list(dict.fromkeys(line for e in events for line in e.get("lines", ())))
     configs = [e for e in events if e["event"] == "config" and e["rank"] == 0]
     mismatches = [e for e in events if e["event"] == "mismatch"]
     latency: dict[tuple, dict[str, Any]] = {}
@@ -587,7 +600,7 @@ def summarize(
         "aftermath": aftermath,
         "latency": list(latency.values()),
         "iteration_cost_us": cost,
-        "startup_lines": info.get("lines", []),
+        "startup_lines": lines,
     }
 
 

@@ -353,6 +353,11 @@ class KernelCalls:
         op_module.flashinfer_trtllm_fused_allreduce_norm = counted
 
 
+def refuse_every_call(hidden_states: torch.Tensor, tp_size: int) -> tuple[bool, int]:
+    """The op's FlashInfer gate, refusing: the op falls back."""
+    return False, 0
+
+
 def token_counts(top: int) -> list[int]:
     """The sweep: powers of two (either side of the one-shot/two-shot switch
     wherever it falls), the PDL edge, and the workspace's top."""
@@ -473,7 +478,7 @@ class Rank:
         )
         initialize_model_parallel(tensor_model_parallel_size=self.world_size)
         self.tp_group = get_tp_group()
-        self.op_module = importlib.import_module(OP_MODULE)
+        self.op_module: Any = importlib.import_module(OP_MODULE)
         self.fi_ar = importlib.import_module(FI_AR_MODULE)
         if not self.cuda:
             install_cpu_kernel(self.op_module)
@@ -481,10 +486,7 @@ class Rank:
         if (self.spec.get("inject") or {}).get("kind") == "fallback":
             # Every rank's gate refuses, as on a group where FlashInfer
             # cannot serve the op; the group stays in step.
-            self.op_module._can_use_flashinfer = lambda hidden_states, tp_size: (
-                False,
-                0,
-            )
+            self.op_module._can_use_flashinfer = refuse_every_call
         backend, _ = self.fi_ar._resolve_fi_ar_backend(self.tp_group.cpu_group)
         self.decided_backend = backend
         from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (

@@ -39,6 +39,7 @@ GPU = BENCHMARKS / "fused_all_reduce_gpu.py"
 PROG = "check_fused_all_reduce"
 # Small shapes keep a CPU run short; the sweep and its checks are the same.
 SMALL = ["--dtypes", "bf16,fp16", "--hidden-sizes", "256"]
+ONE_SHAPE = ["--dtypes", "bf16", "--hidden-sizes", "256"]
 RUN_TIMEOUT = 420
 FLASHINFER_RELEASES = ("0.7.2.post1", "0.7.4")
 
@@ -159,12 +160,9 @@ def test_self_test_catches_each_fault_on_its_rank(run_env: dict[str, str]) -> No
         "cpu",
         "--self-test",
         "--json",
-        "--dtypes",
-        "bf16",
-        "--hidden-sizes",
-        "256",
         "--seconds",
         "4",
+        *ONE_SHAPE,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(proc.stdout)
@@ -198,10 +196,7 @@ def test_a_rank_killed_without_a_word_is_a_fault(run_env: dict[str, str]) -> Non
         "30",
         "--stall-seconds",
         "60",
-        "--dtypes",
-        "bf16",
-        "--hidden-sizes",
-        "256",
+        *ONE_SHAPE,
     )
     assert code == 1
     assert result["verdict"] == "FAIL"
@@ -215,15 +210,7 @@ def test_a_rank_killed_without_a_word_is_a_fault(run_env: dict[str, str]) -> Non
 def test_a_call_that_fell_back_to_nccl_is_a_fail(run_env: dict[str, str]) -> None:
     """The op's silent fallback gives correct numbers; it must still FAIL."""
     code, result, _ = run_json(
-        run_env,
-        "--inject",
-        "fallback:0",
-        "--seconds",
-        "2",
-        "--dtypes",
-        "bf16",
-        "--hidden-sizes",
-        "256",
+        run_env, "--inject", "fallback:0", "--seconds", "2", *ONE_SHAPE
     )
     assert code == 1
     assert result["mismatches"] == 0
