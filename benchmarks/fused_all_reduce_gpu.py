@@ -97,12 +97,14 @@ def start_host_traffic(mib: int, device: torch.device) -> Callable[[], None]:
     stop = threading.Event()
 
     def copies() -> None:
+        torch.cuda.set_device(device)  # the current device is per thread
         with torch.cuda.stream(streams[0]):
             while not stop.is_set():
                 copied.copy_(staging, non_blocking=True)
                 streams[0].synchronize()
 
     def gathers() -> None:
+        torch.cuda.set_device(device)
         with torch.cuda.stream(streams[1]):
             while not stop.is_set():
                 picked = torch.randint(rows, (gathered.shape[0],), device=device)
