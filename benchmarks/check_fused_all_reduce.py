@@ -201,7 +201,9 @@ def validate(args: argparse.Namespace) -> None:
     try:
         args.backend_setting = envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND
     except ValueError as e:
-        raise BadInput(f"{e}; unset {BACKEND_ENV} or give one of those") from None
+        raise BadInput(
+            f"{str(e).rstrip('.')}; unset {BACKEND_ENV} or give one of those"
+        ) from None
     if args.device == "cuda":
         import torch
 
