@@ -30,7 +30,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -478,7 +478,8 @@ class Rank:
         )
         initialize_model_parallel(tensor_model_parallel_size=self.world_size)
         self.tp_group = get_tp_group()
-        self.op_module: Any = importlib.import_module(OP_MODULE)
+        # Its module globals are what the op calls; they get replaced.
+        self.op_module: Any = cast(Any, importlib.import_module(OP_MODULE))
         self.fi_ar = importlib.import_module(FI_AR_MODULE)
         if not self.cuda:
             install_cpu_kernel(self.op_module)
