@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import tree_imports
 
+from tools.couplings import _chain  # `a.b.c` -> ["a", "b", "c"]
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
 RANK = BENCHMARKS / "fused_all_reduce_rank.py"
@@ -96,17 +98,6 @@ def _module_assignments(body: list[ast.stmt]) -> Iterator[ast.stmt]:
             yield from _module_assignments(node.orelse)
 
 
-def _dotted(node: ast.AST) -> list[str] | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    parts.append(node.id)
-    return parts[::-1]
-
-
 def flashinfer_uses(
     sources: list[tuple[str, ast.AST]],
 ) -> dict[str, set[tuple[str, ...]]]:
@@ -134,7 +125,7 @@ def flashinfer_uses(
                 isinstance(node, ast.Assign)
                 and len(node.targets) == 1
                 and isinstance(node.targets[0], ast.Name)
-                and (parts := _dotted(node.value))
+                and (parts := _chain(node.value))
                 and parts[0] in aliases
             ):
                 aliases[node.targets[0].id] = ".".join([aliases[parts[0]], *parts[1:]])
@@ -142,7 +133,7 @@ def flashinfer_uses(
         for node in ast.walk(tree):
             if not isinstance(node, ast.Attribute | ast.Name):
                 continue
-            parts = _dotted(node)
+            parts = _chain(node)
             if not parts:
                 continue
             call = calls.get(id(node))
