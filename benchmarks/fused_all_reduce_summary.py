@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The result of check_fused_all_reduce.py: one record, and its summary.
+
+`summarize` turns what the ranks reported into the record `--json` prints;
+`format_summary` writes it for a person.
+"""
+
+import argparse
+from typing import Any
+
+PROG = "check_fused_all_reduce"
+BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+
+
+def summarize(
+    args: argparse.Namespace,
+    seconds: float,
+    events: list[dict[str, Any]],
+    faults: list[dict[str, Any]],
+    aftermath: list[dict[str, Any]],
+    ranks: list[Any],
+    elapsed: float,
+) -> dict[str, Any]:
+    """The run as one record: what ran, what was checked, PASS or FAIL.
+
+    `ranks` are the launcher's RankStates: each rank's iterations,
+    mismatches and whether it finished.
+    """
+    info = next((e for e in events if e["event"] == "info"), {})
+    # vLLM's lines about FlashInfer (the start-up line, the workspace's), as
+    # printed while it ran.
+    lines = list(dict.fromkeys(line for e in events for line in e.get("lines", ())))
+    configs = [e for e in events if e["event"] == "config" and e["rank"] == 0]
+    mismatches = [e for e in events if e["event"] == "mismatch"]
+    latency: dict[tuple, dict[str, Any]] = {}
+    for event in (e for e in events if e["event"] == "latency"):
+        for bucket in event["buckets"]:
+            key = (event["dtype"], event["hidden"], bucket["tokens"])
+            row = latency.setdefault(
+                key,
+                {"dtype": key[0], "hidden": key[1], "tokens": key[2]},
+            )
+            for path in ("fused", "reference"):
+                for stat, value in bucket[path].items():
+                    name = f"{path}_{stat}_us"
+                    if value is not None:
+                        # The slowest rank's, as the group waits for it.
+                        row[name] = max(row.get(name, 0.0), value * 1e6)
+    iterations = min(s.iterations for s in ranks)
+    cost = iteration_cost([e for e in events if e["event"] == "latency"])
+    mismatch_count = sum(s.mismatches for s in ranks)
+    reasons = []
+    if faults:
+        reasons.append("a rank faulted or stalled")
+    if mismatch_count:
+        reasons.append(f"{mismatch_count} outputs out of tolerance")
+    if not faults and not all(s.done for s in ranks):
+        reasons.append("not every rank finished")
+    if not faults and iterations == 0:
+        reasons.append("nothing was checked")
+    return {
+        "verdict": "FAIL" if reasons else "PASS",
+        "reasons": reasons,
+        "backend_setting": getattr(args, "backend_setting", None),
+        "decided_backend": info.get("decided_backend"),
+        "backends": sorted({c["backend"] for c in configs}),
+        "flashinfer": info.get("kernel"),
+        "platform": info.get("platform"),
+        "nodes": info.get("nodes"),
+        "tp": args.tp,
+        "device": args.device,
+        "hisparse": args.hisparse,
+        "seconds": seconds,
+        "elapsed": round(elapsed, 1),
+        "host_traffic_mib": args.host_traffic_mib if args.device == "cuda" else 0,
+        "configs": [
+            {k: c[k] for k in ("dtype", "hidden", "backend", "tokens")} for c in configs
+        ],
+        "iterations": iterations,
+        "mismatches": mismatch_count,
+        "mismatch_details": mismatches,
+        "faults": faults,
+        "aftermath": aftermath,
+        "latency": list(latency.values()),
+        "iteration_cost_us": cost,
+        "startup_lines": lines,
+    }
+
+
+def iteration_cost(events: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Wall time per checked iteration, split into the op, the NCCL +
+    RMSNorm reference and the rest (the harness's own cost: input copies,
+    the checker, progress); the slowest rank's."""
+    per_rank: dict[int, list[float]] = {}
+    for event in events:
+        totals = per_rank.setdefault(event["rank"], [0, 0.0, 0.0, 0.0])
+        totals[0] += event["iterations"]
+        totals[1] += event["wall_seconds"]
+        totals[2] += event["fused_seconds"]
+        totals[3] += event["reference_seconds"]
+    costs = [
+        {
+            "total": wall / n * 1e6,
+            "op": fused / n * 1e6,
+            "reference": reference / n * 1e6,
+            "harness": (wall - fused - reference) / n * 1e6,
+        }
+        for n, wall, fused, reference in per_rank.values()
+        if n
+    ]
+    if not costs:
+        return None
+    return {k: round(v, 1) for k, v in max(costs, key=lambda c: c["total"]).items()}
+
+
+def describe_fault(fault: dict[str, Any]) -> str:
+    ranks = ", ".join(map(str, fault["ranks"]))
+    return f"rank {ranks} {fault['kind']}: {fault['error']}"
+
+
+def describe_mismatch(m: dict[str, Any]) -> str:
+    return (
+        f"rank {m['rank']}: {m['dtype']} hidden {m['hidden']}, {m['tokens']} "
+        f"tokens, {m['output']} output, token {m['token']}: worst error "
+        f"{m['worst_error']:.4g}, first bad value {m['got']:.6g} "
+        f"(want {m['want']:.6g}) at column {m['column']}"
+    )
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """The result for a person."""
+    fi = result["flashinfer"] or {}
+    platform = result["platform"] or {}
+    if result["device"] == "cpu":
+        where = "CPU (reference kernel on gloo; no CUDA graphs, no host traffic)"
+    else:
+        where = (
+            f"{result['tp']} x {platform.get('gpu')} "
+            f"(sm {platform.get('capability')}), NVLink fully connected: "
+            f"{platform.get('nvlink_fully_connected')}"
+        )
+    backends = ", ".join(result["backends"]) or result["decided_backend"] or "off"
+    hisparse = "on" if result["hisparse"] else "off"
+    lines = [
+        f"{PROG}: {result['verdict']}"
+        + (f" ({'; '.join(result['reasons'])})" if result["reasons"] else ""),
+        (
+            f"  backend     {backends} ({BACKEND_ENV}="
+            f"{result['backend_setting']}, HiSparse {hisparse})"
+        ),
+        f"  FlashInfer  {fi.get('release')} kernels"
+        + (f" ({fi['note']})" if fi.get("note") else ""),
+        f"  devices     {where}, {result['nodes']} node(s)",
+        f"  iterations  {result['iterations']} per rank in {result['elapsed']:.0f}s",
+        f"  mismatches  {result['mismatches']}",
+    ]
+    cost = result["iteration_cost_us"]
+    if cost:
+        lines.insert(
+            -1,
+            f"  per iteration {cost['total']:.0f} us: op {cost['op']:.0f}, "
+            f"NCCL+RMSNorm {cost['reference']:.0f}, harness {cost['harness']:.0f}",
+        )
+    lines += [f"    {describe_mismatch(m)}" for m in result["mismatch_details"][:10]]
+    lines.append(f"  faults      {len(result['faults'])}")
+    lines += [f"    {describe_fault(f)}" for f in result["faults"]]
+    if result["latency"]:
+        lines.append(
+            "  latency (us)  dtype hidden tokens   fused p50    p99   "
+            "NCCL+RMSNorm p50    p99"
+        )
+        for row in result["latency"]:
+            lines.append(
+                f"                {row['dtype']:5} {row['hidden']:6} {row['tokens']:6} "
+                f"{row.get('fused_p50_us', 0):11.1f} {row.get('fused_p99_us', 0):6.1f} "
+                f"{row.get('reference_p50_us', 0):18.1f} "
+                f"{row.get('reference_p99_us', 0):6.1f}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,352 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tests for benchmarks/check_fused_all_reduce.py, the fused all-reduce check.
+
+The harness runs for real with `--device cpu`: its launcher starts real rank
+processes that set up vLLM's distributed state on gloo, with a real
+VllmConfig and this tree's get_fi_ar_workspace; only FlashInfer's
+constructor and kernel are replaced by a reference (what needs a GPU). Each
+run has a hard timeout, and the test checks that no rank outlives it.
+
+The GPU-only module cannot run here; its FlashInfer and vLLM calls are
+checked statically against the released sources instead
+(test_check_fused_all_reduce_calls.py).
+"""
+
+import getpass
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import tree_imports
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO_ROOT / "benchmarks"
+SCRIPT = BENCHMARKS / "check_fused_all_reduce.py"
+RANK = BENCHMARKS / "fused_all_reduce_rank.py"
+PROG = "check_fused_all_reduce"
+# Small shapes keep a CPU run short; the sweep and its checks are the same.
+SMALL = ["--dtypes", "bf16,fp16", "--hidden-sizes", "256"]
+ONE_SHAPE = ["--dtypes", "bf16", "--hidden-sizes", "256"]
+RUN_TIMEOUT = 420
+
+
+def load(path: Path) -> ModuleType:
+    """Import a benchmarks/ script by path: benchmarks/ is not a package."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(path.stem)
+
+
+@pytest.fixture
+def run_env(tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
+    """The harness's environment: this tree's vLLM modules in every process
+    it starts (a sitecustomize, as tests/tree_imports.py routes the test
+    run's own imports), and a TMPDIR of its own to find leftovers in."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO_ROOT / 'tests')!r})\n"
+        "import tree_imports\n"
+        "tree_imports.install()\n"
+    )
+    # Short, under /tmp: vLLM's IPC socket paths must fit in 107 bytes.
+    scratch = Path(tempfile.mkdtemp(prefix="cfar-test-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(site), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    env["TMPDIR"] = str(scratch)
+    env.pop("VLLM_FLASHINFER_ALLREDUCE_BACKEND", None)
+    return env
+
+
+def harness(
+    env: dict[str, str], *args: str, timeout: float = RUN_TIMEOUT
+) -> subprocess.CompletedProcess[str]:
+    """Run the harness in a session of its own; kill it all on `timeout`."""
+    try:
+        return tree_imports.run_in_session(
+            [sys.executable, str(SCRIPT), *args], timeout=timeout, env=env
+        )
+    finally:
+        assert_nothing_left(Path(env["TMPDIR"]))
+
+
+def assert_nothing_left(scratch: Path) -> None:
+    """No rank process still runs, and nothing of the run is left behind.
+
+    Importing vLLM and FlashInfer makes their caches in the temporary
+    folder (torchinductor_USER, USER/cutlass_python_cache), as any
+    `import vllm` does; those are not the run's.
+    """
+    alive = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(scratch) in cmdline:
+            alive.append(proc.name)
+    assert not alive, f"rank processes left running: {alive}"
+    user = getpass.getuser()
+    caches = {f"torchinductor_{user}", user}
+    left = [p for p in scratch.iterdir() if p.name not in caches]
+    assert not left, left
+
+
+def run_json(env: dict[str, str], *args: str) -> tuple[int, dict[str, Any], str]:
+    proc = harness(env, "-tp", "2", "--device", "cpu", "--json", *args)
+    assert proc.stdout.strip(), proc.stderr
+    return proc.returncode, json.loads(proc.stdout), proc.stderr
+
+
+# Runs on CPU ---------------------------------------------------------------
+
+
+def test_cpu_run_passes_and_reports_what_ran(run_env: dict[str, str]) -> None:
+    code, result, stderr = run_json(run_env, "--seconds", "2", *SMALL)
+    assert code == 0, stderr
+    assert result["verdict"] == "PASS", result
+    # HiSparse on and auto on one node: this build's decision is trtllm.
+    assert result["backends"] == ["trtllm"]
+    assert result["hisparse"] is True
+    from importlib.metadata import version
+
+    assert result["flashinfer"]["release"] == version("flashinfer-python")
+    assert result["iterations"] > 0 and result["mismatches"] == 0
+    assert not result["faults"]
+    tokens = result["configs"][0]["tokens"]
+    assert {1, 2, 15, 16, 17, 64} <= set(tokens), tokens
+    assert [(c["dtype"], c["hidden"]) for c in result["configs"]] == [
+        ("bf16", 256),
+        ("fp16", 256),
+    ]
+    assert {row["tokens"] for row in result["latency"]} == set(tokens)
+    row = result["latency"][0]
+    assert {"fused_p50_us", "fused_p99_us", "reference_p50_us", "reference_p99_us"} <= (
+        row.keys()
+    )
+    # The start-up line of this build's decision and the workspace's.
+    assert any(
+        "FlashInfer all-reduce backend for ranks" in line
+        for line in (result["startup_lines"])
+    ), result["startup_lines"]
+    assert "FlashInfer all-reduce backend for ranks" in stderr
+    assert "iterations per rank" in stderr  # the progress line
+
+
+def test_self_test_catches_each_fault_on_its_rank(run_env: dict[str, str]) -> None:
+    proc = harness(
+        run_env,
+        "-tp",
+        "2",
+        "--device",
+        "cpu",
+        "--self-test",
+        "--json",
+        "--seconds",
+        "4",
+        *ONE_SHAPE,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["self_test"] == "PASS"
+    by_fault = {o["fault"]: o for o in report["faults"]}
+    assert set(by_fault) == {
+        "one wrong token",
+        "a rank that dies",
+        "a rank that stalls",
+    }
+    wrong = by_fault["one wrong token"]["result"]
+    assert wrong["verdict"] == "FAIL"
+    details = wrong["mismatch_details"]
+    assert details and {m["rank"] for m in details} == {1}
+    assert details[0]["token"] == details[0]["tokens"] - 1
+    assert details[0]["worst_error"] > 100
+    died = by_fault["a rank that dies"]["result"]
+    assert died["faults"][0]["ranks"] == [0]
+    assert "unspecified launch failure" in died["faults"][0]["error"]
+    stalled = by_fault["a rank that stalls"]["result"]
+    assert stalled["faults"][0]["ranks"] == [1]
+    assert stalled["faults"][0]["kind"] == "stalled"
+
+
+def test_a_rank_killed_without_a_word_is_a_fault(run_env: dict[str, str]) -> None:
+    code, result, _ = run_json(
+        run_env,
+        "--inject",
+        "kill:1:2",
+        "--seconds",
+        "30",
+        "--stall-seconds",
+        "60",
+        *ONE_SHAPE,
+    )
+    assert code == 1
+    assert result["verdict"] == "FAIL"
+    fault = result["faults"][0]
+    assert fault["ranks"] == [1] and fault["kind"] == "died", result["faults"]
+    assert "SIGKILL" in fault["error"]
+    # Found at once, not when the survivor's wait runs out.
+    assert result["elapsed"] < 60
+
+
+def test_a_call_that_fell_back_to_nccl_is_a_fail(run_env: dict[str, str]) -> None:
+    """The op's silent fallback gives correct numbers; it must still FAIL."""
+    code, result, _ = run_json(
+        run_env, "--inject", "fallback:0", "--seconds", "2", *ONE_SHAPE
+    )
+    assert code == 1
+    assert result["mismatches"] == 0
+    fault = result["faults"][0]
+    assert "ran NCCL + RMSNorm instead of FlashInfer's fused kernel" in fault["error"]
+
+
+@pytest.mark.parametrize(
+    "args, env, says",
+    [
+        (["-tp", "1", "--device", "cpu"], {}, "-tp 1"),
+        (
+            ["-tp", "2", "--device", "cpu"],
+            {"VLLM_FLASHINFER_ALLREDUCE_BACKEND": "nvls"},
+            "VLLM_FLASHINFER_ALLREDUCE_BACKEND",
+        ),
+        (["-tp", "2"], {}, "needs 2 GPUs"),
+        (
+            ["-tp", "2", "--device", "cpu"],
+            {"no_all_reduce": "1"},
+            "no fused all-reduce",
+        ),
+    ],
+    ids=["tp1", "unknown-backend", "no-gpu", "flashinfer-without-all-reduce"],
+)
+def test_bad_input_is_one_line_and_exit_2_with_nothing_started(
+    run_env: dict[str, str],
+    tmp_path: Path,
+    args: list[str],
+    env: dict[str, str],
+    says: str,
+) -> None:
+    env = dict(env)
+    if env.pop("no_all_reduce", None):
+        # A FlashInfer whose flashinfer.comm lacks the all-reduce.
+        fake = tmp_path / "fake-flashinfer"
+        (fake / "flashinfer" / "comm").mkdir(parents=True)
+        (fake / "flashinfer" / "__init__.py").write_text("")
+        (fake / "flashinfer" / "comm" / "__init__.py").write_text("")
+        run_env["PYTHONPATH"] = os.pathsep.join([str(fake), run_env["PYTHONPATH"]])
+    proc = harness({**run_env, **env}, *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{PROG}: error: ") and says in lines[0], lines
+
+
+# The launcher's and the checker's parts, in-process -----------------------
+
+
+@pytest.fixture
+def launcher_module() -> ModuleType:
+    return load(SCRIPT)
+
+
+@pytest.fixture
+def rank_module() -> ModuleType:
+    return load(RANK)
+
+
+class _Proc:
+    def __init__(self, code: int | None):
+        self.code = code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+def _launcher(launcher_module: ModuleType, steps: list[int], phase: int = 2) -> Any:
+    args = launcher_module.parse_args(["-tp", str(len(steps)), "--device", "cpu"])
+    launcher = launcher_module.Launcher(args, None, 1.0)
+    launcher.ranks = [
+        launcher_module.RankState(proc=_Proc(None), pipe=-1, log=Path("/dev/null"))
+        for _ in steps
+    ]
+    for state, step in zip(launcher.ranks, steps, strict=True):
+        state.step, state.phase, state.changed = step, phase, 0.0
+    return launcher
+
+
+def test_a_stall_blames_the_rank_behind(launcher_module: ModuleType) -> None:
+    launcher = _launcher(launcher_module, [7, 6, 7, 7])
+    launcher.check_stall(now=10.0)
+    assert not launcher.faults  # not yet past --stall-seconds
+    launcher.check_stall(now=31.0)
+    assert launcher.faults[0]["ranks"] == [1]
+    assert launcher.faults[0]["kind"] == "stalled"
+
+
+def test_a_stall_of_all_ranks_blames_them_all(launcher_module: ModuleType) -> None:
+    launcher = _launcher(launcher_module, [5, 5])
+    launcher.check_stall(now=31.0)
+    assert launcher.faults[0]["ranks"] == [0, 1]
+
+
+def test_start_up_has_its_own_limit(launcher_module: ModuleType) -> None:
+    launcher = _launcher(launcher_module, [1, 1], phase=1)
+    launcher.check_stall(now=60.0)
+    assert not launcher.faults
+    launcher.check_stall(now=301.0)
+    assert launcher.faults
+
+
+def test_the_checker_reports_token_and_worst_error(rank_module: ModuleType) -> None:
+    import torch
+
+    want = torch.randn(4, 8)
+    got = want.to(torch.bfloat16)
+    assert rank_module.compare(got, want, "bf16") is None
+    got[2, 5] += 3
+    got[3, 1] = float("nan")
+    found = rank_module.compare(got, want, "bf16")
+    assert found["token"] == 2 and found["column"] == 5
+    assert found["bad_tokens"] == 2 and found["worst_error"] == float("inf")
+
+
+def test_fp16_inputs_go_past_256(rank_module: ModuleType) -> None:
+    import torch
+
+    partial, residual = rank_module.make_inputs(0, 16, 64, torch.float16, 0)
+    assert residual.abs().max() > 256 and partial.abs().max() > 256
+    assert torch.isfinite(residual).all() and torch.isfinite(partial).all()
+
+
+def test_the_sweep_straddles_the_pdl_edge_and_reaches_the_top(
+    rank_module: ModuleType,
+) -> None:
+    assert rank_module.token_counts(100) == [1, 2, 4, 8, 15, 16, 17, 32, 64, 100]
+    assert rank_module.token_counts(1) == [1]
+
+
+def test_self_test_wants_the_right_rank(launcher_module: ModuleType) -> None:
+    fault = launcher_module.InjectedFault("die", "a rank that dies", 0)
+    result = {
+        "verdict": "FAIL",
+        "mismatch_details": [],
+        "faults": [
+            {"ranks": [1], "kind": "error", "error": "unspecified launch failure"}
+        ],
+    }
+    assert launcher_module.caught(fault, result) is None
+    result["faults"][0]["ranks"] = [0]
+    assert launcher_module.caught(fault, result)

@@ -1,0 +1,447 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The GPU path of benchmarks/check_fused_all_reduce.py, checked statically.
+
+No GPU here can run fused_all_reduce_gpu.py, nor the FlashInfer calls vLLM's
+op makes for it. So every FlashInfer name and keyword that path uses is
+found by reading the code (ast): our GPU and rank modules, and the vLLM code
+the op reaches, and checked against the released sources of
+flashinfer-python 0.7.2.post1 and 0.7.4, read from the wheels; a call added
+to that code is checked too. The vLLM names our modules call are checked
+against the installed vllm.
+"""
+
+import ast
+import importlib
+import inspect
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tree_imports
+
+from tools.couplings import _chain  # `a.b.c` -> ["a", "b", "c"]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO_ROOT / "benchmarks"
+RANK = BENCHMARKS / "fused_all_reduce_rank.py"
+GPU = BENCHMARKS / "fused_all_reduce_gpu.py"
+FLASHINFER_RELEASES = ("0.7.2.post1", "0.7.4")
+
+# The GPU path, checked statically -----------------------------------------
+
+# What vLLM's op reaches on its way to FlashInfer: (file, functions, where);
+# None means the whole file. "installed" files are read from the installed
+# vllm 0.33.0, "tree" from this build.
+VLLM_OP_CHAIN = (
+    ("vllm/models/common/ops/fused_allreduce_rms_norm.py", None, "installed"),
+    ("vllm/model_executor/layers/fused_allreduce_gemma_rms_norm.py", None, "installed"),
+    (
+        "vllm/compilation/passes/fusion/allreduce_rms_fusion.py",
+        ("call_trtllm_fused_allreduce_norm",),
+        "installed",
+    ),
+    ("vllm/distributed/device_communicators/flashinfer_all_reduce.py", None, "tree"),
+)
+# Names that hold flashinfer.comm in the code above (besides import aliases).
+FLASHINFER_COMM_NAMES = {"flashinfer_comm", "_flashinfer_comm"}
+# Receivers that hold a FlashInfer all-reduce workspace.
+WORKSPACE_NAMES = {"ws", "workspace"}
+# The workspaces create_allreduce_fusion_workspace makes for the backends
+# vLLM uses, and their base.
+WORKSPACE_CLASSES = (
+    ("flashinfer.comm.allreduce", "TRTLLMAllReduceFusionWorkspace"),
+    ("flashinfer.comm.trtllm_mnnvl_ar", "MNNVLAllReduceFusionWorkspace"),
+)
+WORKSPACE_BASE = ("flashinfer.comm.workspace_base", "AllReduceFusionWorkspace")
+
+
+def _installed_vllm() -> Path:
+    import vllm
+
+    return Path(vllm.__file__).parent.parent
+
+
+def _chain_sources() -> list[tuple[str, ast.AST]]:
+    """The GPU path's code: our two modules, and vLLM's op chain."""
+    sources: list[tuple[str, ast.AST]] = [
+        (p.name, ast.parse(p.read_text())) for p in (GPU, RANK)
+    ]
+    for rel, functions, where in VLLM_OP_CHAIN:
+        root = _installed_vllm() if where == "installed" else REPO_ROOT
+        tree = ast.parse((root / rel).read_text())
+        if functions is None:
+            sources.append((rel, tree))
+            continue
+        found = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and node.name in functions
+        ]
+        assert {f.name for f in found} == set(functions), rel
+        # With the module's own assignments, so names bound at import time
+        # (ar_fusion_patterns = flashinfer_comm.AllReduceFusionPattern) count.
+        module = ast.Module(body=[*_module_assignments(tree.body), *found])
+        sources.append((rel, module))
+    return sources
+
+
+def _module_assignments(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Assignments run at import, also under module-level if/try."""
+    for node in body:
+        if isinstance(node, ast.Assign):
+            yield node
+        elif isinstance(node, ast.If | ast.Try):
+            yield from _module_assignments(node.body)
+            yield from _module_assignments(node.orelse)
+
+
+def flashinfer_uses(
+    sources: list[tuple[str, ast.AST]],
+) -> dict[str, set[tuple[str, ...]]]:
+    """Every flashinfer name the sources use: `module.Name[.attr]` -> the
+    keyword sets it is called with (empty for a bare reference).
+
+    Workspace methods are keyed `workspace.method`.
+    """
+    uses: dict[str, set[tuple[str, ...]]] = {}
+    for _, tree in sources:
+        aliases = dict.fromkeys(FLASHINFER_COMM_NAMES, "flashinfer.comm")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("flashinfer") and a.asname:
+                        aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "flashinfer"
+            ):
+                for a in node.names:
+                    uses.setdefault(f"{node.module}.{a.name}", set())
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and (parts := _chain(node.value))
+                and parts[0] in aliases
+            ):
+                aliases[node.targets[0].id] = ".".join([aliases[parts[0]], *parts[1:]])
+        calls = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute | ast.Name):
+                continue
+            parts = _chain(node)
+            if not parts:
+                continue
+            call = calls.get(id(node))
+            keywords = (
+                tuple(sorted(k.arg for k in call.keywords if k.arg)) if call else ()
+            )
+            if call and len(parts) == 2 and parts[0] in WORKSPACE_NAMES:
+                uses.setdefault(f"workspace.{parts[1]}", set()).add(keywords)
+                continue
+            for i, part in enumerate(parts):
+                if part in aliases and (
+                    i > 0 or isinstance(node, ast.Attribute) or call
+                ):
+                    rest = parts[i + 1 :]
+                    if not rest and not call:
+                        break
+                    name = ".".join([aliases[part], *rest])
+                    uses.setdefault(name, set())
+                    if call:
+                        uses[name].add(keywords)
+                    break
+    # Keep the longest names only: `a.B.c` implies `a.B`.
+    return {
+        name: kw
+        for name, kw in uses.items()
+        if kw or not any(other.startswith(name + ".") for other in uses)
+    }
+
+
+@pytest.fixture(scope="module")
+def flashinfer_wheels(request: pytest.FixtureRequest) -> dict[str, Path]:
+    """The released flashinfer-python wheels, fetched once through pip."""
+    cache = request.config.cache
+    assert cache is not None
+    wheels = {}
+    for release in FLASHINFER_RELEASES:
+        dest = Path(cache.mkdir(f"flashinfer-python-{release}"))
+        found = list(dest.glob("flashinfer_python-*.whl"))
+        if not found:
+            proc = tree_imports.run_in_session(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--no-deps",
+                    "--disable-pip-version-check",
+                    f"flashinfer-python=={release}",
+                    "-d",
+                    str(dest),
+                ],
+                timeout=900,
+            )
+            found = list(dest.glob("flashinfer_python-*.whl"))
+            if not found:
+                reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                if any(
+                    word in proc.stderr
+                    for word in (
+                        "NewConnectionError",
+                        "Network is unreachable",
+                        "Temporary failure in name resolution",
+                        "Max retries exceeded",
+                        "ConnectionError",
+                    )
+                ):
+                    pytest.skip(
+                        f"cannot download flashinfer-python {release}: {reason}"
+                    )
+                pytest.fail(f"pip download flashinfer-python=={release}: {reason}")
+        wheels[release] = found[0]
+    return wheels
+
+
+class ReleasedSource:
+    """A flashinfer-python wheel's Python sources, resolved like imports."""
+
+    def __init__(self, wheel: Path):
+        self.zip = zipfile.ZipFile(wheel)
+        self.names = set(self.zip.namelist())
+
+    def module(self, dotted: str) -> tuple[str, ast.Module] | None:
+        base = dotted.replace(".", "/")
+        for path in (f"{base}.py", f"{base}/__init__.py"):
+            if path in self.names:
+                return path, ast.parse(self.zip.read(path))
+        return None
+
+    def find(self, dotted: str, name: str, depth: int = 0) -> ast.AST | None:
+        """The definition of `name` as `import dotted.name` would get it."""
+        found = self.module(dotted)
+        if found is None or depth > 8:
+            return None
+        path, tree = found
+        package = dotted if path.endswith("__init__.py") else dotted.rpartition(".")[0]
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and node.name == name:
+                return node
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == name for t in node.targets
+            ):
+                return node
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    if (a.asname or a.name) == name:
+                        source = node.module or ""
+                        if node.level:
+                            parent = package.split(".")
+                            parent = parent[: len(parent) - node.level + 1]
+                            source = ".".join(parent + ([source] if source else []))
+                        return self.find(source, a.name, depth + 1)
+        if self.module(f"{dotted}.{name}") is not None:
+            return ast.Module(body=[], type_ignores=[])
+        return None
+
+
+def _parameters(node: ast.AST) -> tuple[set[str], bool] | None:
+    """A function's (or a class's __init__'s) keyword names, and **kwargs."""
+    if isinstance(node, ast.ClassDef):
+        inits = [
+            n
+            for n in node.body
+            if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+        ]
+        if not inits:
+            return None
+        node = inits[0]
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    args = node.args
+    names = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+    return names, args.kwarg is not None
+
+
+def _class_member(cls: ast.ClassDef, name: str) -> ast.AST | None:
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return node
+    return None
+
+
+def check_against_release(
+    uses: dict[str, set[tuple[str, ...]]], source: ReleasedSource
+) -> list[str]:
+    """What in `uses` the release lacks: names, members, keywords."""
+    problems = []
+    for name, keyword_sets in sorted(uses.items()):
+        if name.startswith("workspace."):
+            method = name.split(".", 1)[1]
+            for module, cls_name in WORKSPACE_CLASSES:
+                member = None
+                for where, which in ((module, cls_name), WORKSPACE_BASE):
+                    cls = source.find(where, which)
+                    if isinstance(cls, ast.ClassDef):
+                        member = member or _class_member(cls, method)
+                if member is None:
+                    problems.append(f"{cls_name}.{method}: not in the release")
+                for keywords in keyword_sets:
+                    problems += _keyword_problems(
+                        f"{cls_name}.{method}", member, keywords
+                    )
+            continue
+        parts = name.split(".")
+        # flashinfer.comm[.mnnvl].Name[.member]
+        target = None
+        for split in range(len(parts) - 1, 0, -1):
+            module, rest = ".".join(parts[:split]), parts[split:]
+            if source.module(module) is None:
+                continue
+            target = source.find(module, rest[0])
+            for member_name in rest[1:]:
+                target = (
+                    _class_member(target, member_name)
+                    if isinstance(target, ast.ClassDef)
+                    else None
+                )
+            break
+        if target is None:
+            problems.append(f"{name}: not in the release")
+            continue
+        for keywords in keyword_sets:
+            problems += _keyword_problems(name, target, keywords)
+    return problems
+
+
+def _keyword_problems(
+    name: str, target: ast.AST | None, keywords: tuple[str, ...]
+) -> list[str]:
+    params = None if target is None else _parameters(target)
+    if params is None:
+        return []
+    names, takes_any = params
+    unknown = set(keywords) - names
+    if unknown and not takes_any:
+        return [f"{name}: no parameter {sorted(unknown)}"]
+    return []
+
+
+def test_the_gpu_path_reaches_the_flashinfer_calls_it_should() -> None:
+    """The derivation itself: it finds the calls vLLM's op makes."""
+    uses = flashinfer_uses(_chain_sources())
+    assert "flashinfer.comm.allreduce_fusion" in uses
+    # The fused call of call_trtllm_fused_allreduce_norm, with PDL.
+    assert any(
+        {"launch_with_pdl", "norm_out", "residual_in", "use_oneshot"} <= set(kw)
+        for kw in uses["flashinfer.comm.allreduce_fusion"]
+    )
+    assert "flashinfer.comm.create_allreduce_fusion_workspace" in uses
+    assert "flashinfer.comm.AllReduceFusionPattern.kARResidualRMSNorm" in uses
+    assert "flashinfer.comm.mnnvl.TorchDistBackend" in uses
+    ws_calls = uses["workspace.is_buffer_size_sufficient"]
+    assert ("dtype", "hidden_dim", "num_tokens", "tp_size") in ws_calls
+
+
+@pytest.mark.parametrize("release", FLASHINFER_RELEASES)
+def test_every_flashinfer_call_of_the_gpu_path_exists_in_the_release(
+    flashinfer_wheels: dict[str, Path], release: str
+) -> None:
+    uses = flashinfer_uses(_chain_sources())
+    problems = check_against_release(uses, ReleasedSource(flashinfer_wheels[release]))
+    assert not problems, f"flashinfer-python {release}: {problems}"
+
+
+def test_a_drifted_flashinfer_call_is_caught(
+    flashinfer_wheels: dict[str, Path],
+) -> None:
+    """The check can fail: a keyword and a name no release has."""
+    source = ReleasedSource(flashinfer_wheels[FLASHINFER_RELEASES[0]])
+    drifted = {
+        "flashinfer.comm.allreduce_fusion": {("launch_with_pdl", "no_such_keyword")},
+        "flashinfer.comm.no_such_function": set(),
+        "workspace.is_buffer_size_sufficient": {("tp_size", "max_tokens")},
+    }
+    problems = check_against_release(drifted, source)
+    # The workspace method's keyword is missing from both backends' classes.
+    assert len(problems) == 4, problems
+
+
+def _vllm_uses() -> Iterator[tuple[str, str, tuple[str, ...]]]:
+    """(module, name, keywords) for each vLLM name our GPU-path modules
+    import and call."""
+    for path in (GPU, RANK):
+        tree = ast.parse(path.read_text())
+        imported: dict[str, tuple[str, str]] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "vllm"
+            ):
+                for a in node.names:
+                    imported[a.asname or a.name] = (node.module or "", a.name)
+        seen = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                target = imported.get(node.func.id)
+                if target:
+                    keywords = tuple(k.arg for k in node.keywords if k.arg)
+                    seen.add(node.func.id)
+                    yield (*target, keywords)
+        for alias, target in imported.items():
+            if alias not in seen:
+                yield (*target, ())
+
+
+def test_every_vllm_name_the_gpu_path_calls_exists_in_the_installed_vllm() -> None:
+    problems = []
+    uses = list(_vllm_uses())
+    assert ("vllm.distributed", "init_distributed_environment") in {
+        (m, n) for m, n, _ in uses
+    }
+    for module, name, keywords in uses:
+        try:
+            target = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            problems.append(f"{module}.{name}: {e}")
+            continue
+        if keywords and callable(target):
+            parameters = inspect.signature(target).parameters
+            unknown = set(keywords) - set(parameters)
+            if unknown and not any(
+                p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+            ):
+                problems.append(f"{module}.{name}: no parameter {sorted(unknown)}")
+    assert not problems, problems
+
+
+def test_the_platform_methods_the_gpu_module_calls_exist_on_cuda() -> None:
+    """CudaPlatform does not import without a GPU driver; read its source."""
+    tree = ast.parse(GPU.read_text())
+    called = {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "current_platform"
+    }
+    assert called >= {"get_device_name", "is_fully_connected"}
+    defined = set()
+    for rel in ("vllm/platforms/cuda.py", "vllm/platforms/interface.py"):
+        source = ast.parse((_installed_vllm() / rel).read_text())
+        defined |= {n.name for n in ast.walk(source) if isinstance(n, ast.FunctionDef)}
+    assert called <= defined, called - defined
