@@ -8,7 +8,7 @@
     python -m vllm.explain_flashinfer_all_reduce --help
 
 The explanation lives in
-`vllm.distributed.device_communicators.flashinfer_all_reduce_explain`; this
+`vllm.distributed.device_communicators.flashinfer_all_reduce_report`; this
 module starts it from where importing loads nothing of torch or vLLM.
 Running a module inside `vllm.distributed` imports that package first, and
 the import logs torch's notices before any code of the module runs.
@@ -67,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run explain with torch's and vLLM's logs kept to their errors."""
     with ErrorsOnly():
         from vllm.distributed.device_communicators import (
-            flashinfer_all_reduce_explain as explain,
+            flashinfer_all_reduce_report as report,
         )
 
-        return explain.main(argv)
+        return report.main(argv)
 
 
 if __name__ == "__main__":

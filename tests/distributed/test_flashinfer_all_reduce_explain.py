@@ -571,13 +571,13 @@ def test_explain_rejects_bad_input(explain, capsys, monkeypatch):
     assert "Valid options" in capsys.readouterr().err
 
 
-def test_docs_decision_table_matches_the_code(explain):
+def test_docs_decision_table_matches_the_code(explain, deployment):
     page = DOCS.read_text()
     start = page.index(TABLE_BEGIN) + len(TABLE_BEGIN)
     documented = page[start : page.index(TABLE_END, start)]
     assert documented == explain.fi_ar_decision_table(), (
         f"{DOCS.name} is out of date; regenerate its table with "
-        f"`{explain.EXPLAIN_COMMAND} --table`"
+        f"`{deployment.EXPLAIN_COMMAND} --table`"
     )
 
 
@@ -822,11 +822,11 @@ def test_explain_takes_vllms_default_for_the_fusion_pass(
     assert fused is engine.compilation_config.pass_config.fuse_allreduce_rms
 
 
-def test_explain_defaults_are_vllm_serves(explain, monkeypatch):
+def test_explain_defaults_are_vllm_serves(deployment, monkeypatch):
     """What explain takes for switches nobody gave: vllm serve's own."""
     monkeypatch.delenv(STANDALONE_ENV, raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert explain.usage_from_serve_options(None, None) == explain.DEFAULT_USAGE
+    assert deployment.usage_from_serve_options(None, None) == deployment.DEFAULT_USAGE
 
 
 def test_explain_prints_each_paths_state_and_only_what_it_assumed(

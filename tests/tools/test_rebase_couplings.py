@@ -422,7 +422,7 @@ def test_real_tree_uses_only_names_the_installed_vllm_has() -> None:
     assert scan.problems == []
     found = {(Path(c.path).name, c.name, c.kind) for c in scan.couplings}
     group = "flashinfer_all_reduce_group.py"
-    explain = "flashinfer_all_reduce_explain.py"
+    explain = "flashinfer_all_reduce_deployment.py"
     factory = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
     assert {
         (group, "vllm.distributed.parallel_state._node_count", "function"),
