@@ -428,7 +428,8 @@ def test_real_tree_uses_only_names_the_installed_vllm_has() -> None:
         (group, "vllm.distributed.parallel_state._node_count", "function"),
         (group, "vllm.config.get_current_vllm_config_or_none", "function"),
         (explain, "vllm.engine.arg_utils.get_kwargs", "function"),
-        (explain, f"{factory}._registry", "class attribute"),
+        (explain, "vllm.envs.VLLM_ALLREDUCE_USE_FLASHINFER", "name"),
+        (explain, "vllm.envs.VLLM_BATCH_INVARIANT", "name"),
         (explain, f"{factory}.supports_hma_config", "method"),
         (
             explain,

@@ -12,26 +12,36 @@ and turns the rest into `FiArBackendInputs` and `FiArUsageInputs`;
 """
 
 import argparse
+import contextlib
+import copy
 import dataclasses
+import difflib
 import functools
 import json
 import re
-from collections.abc import Callable
-from types import SimpleNamespace
-from typing import Any, NoReturn, cast
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
+from packaging.version import InvalidVersion, Version
 from pydantic import ValidationError
 
 import vllm.envs as envs
 from vllm.config import (
     AttentionConfig,
     CompilationConfig,
+    DeviceConfig,
     KVTransferConfig,
+    SchedulerConfig,
     VllmConfig,
 )
+from vllm.config.attention import HiSparseConfig
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     device_capability,
+)
+from vllm.distributed.device_communicators.flashinfer_all_reduce_installed import (
     flashinfer_version_check,
+    installed_flashinfer_aot_module,
+    installed_flashinfer_jit_cache_providers,
     installed_flashinfer_jit_cache_version,
     installed_flashinfer_version,
 )
@@ -40,8 +50,10 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FI_AR_BACKEND_ENV,
     FLASHINFER_VERSION_CHECK_ENV,
     FiArBackendInputs,
+    FiJitCacheProvider,
 )
 from vllm.engine.arg_utils import get_kwargs
+from vllm.platforms import current_platform
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 EXPLAIN_COMMAND = "python -m vllm.explain_flashinfer_all_reduce"
@@ -116,6 +128,32 @@ def parse_capability(text: str) -> int:
     )
 
 
+def flashinfer_release(text: str) -> str:
+    """A FlashInfer release as given, refused unless PEP 440 can read it:
+    a name such as "latest" says nothing about which kernels run. '' stands
+    for none installed."""
+    if not text:
+        return text
+    try:
+        Version(text)
+    except InvalidVersion:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a FlashInfer release: give one such as 0.7.4"
+        ) from None
+    return text
+
+
+def jit_cache_provider(text: str) -> FiJitCacheProvider:
+    """A provider as DISTRIBUTION==VERSION (flashinfer-jit-cache-cu129==0.7.4)."""
+    distribution, sep, release = text.partition("==")
+    if not sep or not distribution.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not DISTRIBUTION==VERSION, e.g. "
+            "flashinfer-jit-cache-cu129==0.7.4+cu129"
+        )
+    return FiJitCacheProvider(distribution.strip(), flashinfer_release(release))
+
+
 @functools.cache
 def _serve_option_parsers() -> dict[str, Callable[[str], Any]]:
     """`vllm serve`'s own parsers for the options explain reads.
@@ -159,89 +197,147 @@ def _parse_serve_option(name: str, text: str | None) -> Any:
         raise UsageError(f"invalid {SERVE_OPTIONS[name]}: {_one_line(e)}") from e
 
 
-def _connector_names(config: KVTransferConfig) -> list[str]:
-    """The registry names `config` loads, or [] for any given by module path."""
-    entries: list[Any] = [
-        {
-            "kv_connector": config.kv_connector,
-            "kv_connector_module_path": config.kv_connector_module_path,
-        }
-    ]
-    if config.kv_connector == "MultiConnector":
-        entries += config.kv_connector_extra_config.get("connectors", [])
-    return [
-        entry["kv_connector"]
-        for entry in entries
-        if entry.get("kv_connector") and not entry.get("kv_connector_module_path")
-    ]
-
-
-def hisparse_from_serve_options(
-    kv_transfer_config: KVTransferConfig | None,
-    attention_config: AttentionConfig | None,
-) -> tuple[bool, list[str]]:
-    """Whether `vllm serve` turns HiSparse on for these options, and warnings.
-
-    The rule is VllmConfig's: `attention_config.hisparse_config`, which a
-    HiSparseConnector (also inside a MultiConnector) sets, found with the
-    same `KVTransferConfig.has_connector`. Raises UsageError for what would
-    stop `vllm serve`, checked with vLLM's own code where it runs without a
-    GPU: the hybrid KV cache check and the HiSparse host pool's.
-    """
-    hisparse = attention_config is not None and (
-        attention_config.hisparse_config is not None
-    )
-    warnings: list[str] = []
-    if kv_transfer_config is not None:
-        hisparse, warnings = _check_connectors(kv_transfer_config, hisparse)
-    if hisparse:
-        _check_hisparse_host_pool(kv_transfer_config)
-    return hisparse, warnings
-
-
-def _check_connectors(
-    kv_transfer_config: KVTransferConfig, hisparse: bool
-) -> tuple[bool, list[str]]:
-    """HiSparse and warnings for the connectors; UsageError for bad ones."""
-    try:
-        hisparse |= kv_transfer_config.has_connector(HISPARSE_CONNECTOR)
-        names = _connector_names(kv_transfer_config)
-    except (AttributeError, TypeError) as e:
+def _check_connector_list(kv_transfer_config: KVTransferConfig) -> None:
+    """A MultiConnector's children must be connector objects; vLLM reads
+    them without checking and fails with a traceback."""
+    if kv_transfer_config.kv_connector != "MultiConnector":
+        return
+    children = kv_transfer_config.kv_connector_extra_config.get("connectors", [])
+    if not isinstance(children, list) or not all(
+        isinstance(child, dict) for child in children
+    ):
         raise UsageError(
             "invalid --kv-transfer-config: kv_connector_extra_config.connectors "
             'must be a list of connector objects such as {"kv_connector": '
-            f'"{HISPARSE_CONNECTOR}", "kv_role": "kv_both", ...}} ({e})'
-        ) from e
+            f'"{HISPARSE_CONNECTOR}", "kv_role": "kv_both", ...}}'
+        )
+    for child in children:
+        try:
+            KVTransferConfig(**child)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"invalid --kv-transfer-config: {_one_line(e)}") from e
+
+
+@contextlib.contextmanager
+def _judged_for_a_cuda_gpu() -> Iterator[None]:
+    """Let VllmConfig judge the deployment as on the CUDA machine it is for.
+
+    explain runs where there may be no GPU, and VllmConfig refuses HiSparse
+    first of all on a platform that is not CUDA, and decides the hybrid KV
+    cache manager by the platform. For the time of one VllmConfig, the
+    platform says what a CUDA GPU's does; nothing else runs meanwhile.
+    """
+    platform = type(current_platform)
+    saved = {name: platform.__dict__.get(name) for name in _CUDA_ANSWERS}
+    for name, answer in _CUDA_ANSWERS.items():
+        setattr(platform, name, answer)
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            if original is None:
+                delattr(platform, name)
+            else:
+                setattr(platform, name, original)
+
+
+# What a CUDA platform answers to the questions VllmConfig asks of HiSparse.
+_CUDA_ANSWERS = {
+    "is_cuda": lambda self: True,
+    "support_hybrid_kv_cache": classmethod(lambda cls: True),
+}
+
+
+def _connectors_import(kv_transfer_config: KVTransferConfig) -> bool:
+    """Whether the connectors' modules import on this machine.
+
+    Imported here, on this machine's own platform, before VllmConfig asks
+    for them as on a CUDA one (where some import CUDA kernels). A name vLLM
+    does not know is for VllmConfig to refuse.
+    """
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    unknown = [name for name in names if name not in KVConnectorFactory._registry]
-    warnings = [
-        f"--kv-transfer-config: vLLM does not know the KV connector {name!r}; "
-        "vllm serve stops unless a plugin registers it or kv_connector_module_path "
-        "names its module"
-        for name in unknown
-    ]
-    if hisparse and not unknown and not _supports_hybrid_kv_cache(kv_transfer_config):
-        raise UsageError(
-            "invalid --kv-transfer-config: HiSparse requires the hybrid KV cache "
-            "manager, which vLLM turns off for a KV connector that does not "
-            "support it; use connectors that do"
+    try:
+        KVConnectorFactory.supports_hma_config(kv_transfer_config)
+    except ImportError:
+        return False
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return True
+
+
+def _vllm_words(error: BaseException) -> str:
+    """vLLM's own refusal, on one line, without pydantic's wrapping."""
+    if isinstance(error, ValidationError):
+        return "; ".join(
+            str(e["ctx"]["error"]) if "error" in e.get("ctx", {}) else e["msg"]
+            for e in error.errors()
         )
-    return hisparse, warnings
+    return " ".join(str(error).split())
 
 
-def _check_hisparse_host_pool(kv_transfer_config: KVTransferConfig | None) -> None:
+def engine_config(
+    kv_transfer_config: KVTransferConfig | None,
+    attention_config: AttentionConfig | None,
+    compilation_config: CompilationConfig | None,
+) -> tuple[VllmConfig, list[str]]:
+    """The VllmConfig `vllm serve` builds from these options, and warnings.
+
+    Built as `vllm serve` builds it: after loading vLLM's general plugins,
+    which may register KV connectors, and judged for a CUDA GPU. Raises
+    UsageError with vLLM's words for what it refuses: an unknown connector,
+    HiSparse with cudagraph_mode FULL, with Model Runner V2 turned off
+    (`use_v2_model_runner`), or beside a connector without the hybrid KV
+    cache manager (all in vllm/config/vllm.py). A connector whose module
+    does not import here is taken to support that manager, with a warning.
+    """
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    if kv_transfer_config is not None:
+        _check_connector_list(kv_transfer_config)
+    options: dict[str, Any] = {
+        "kv_transfer_config": kv_transfer_config,
+        "attention_config": attention_config,
+        "compilation_config": compilation_config,
+    }
+    # VllmConfig fills in what it is given: keep the parsed options as given.
+    options = {k: copy.deepcopy(v) for k, v in options.items() if v is not None}
+    warnings: list[str] = []
+    scheduler: dict[str, Any] = {}
+    if kv_transfer_config is not None and not _connectors_import(kv_transfer_config):
+        warnings.append(
+            "--kv-transfer-config: a KV connector's module does not import here; "
+            "taken to support the hybrid KV cache manager, as vllm serve checks "
+            "where it is installed"
+        )
+        scheduler["scheduler_config"] = SchedulerConfig.default_factory(
+            disable_hybrid_kv_cache_manager=False
+        )
+    try:
+        with _judged_for_a_cuda_gpu():
+            config = VllmConfig(
+                device_config=DeviceConfig(device="cpu"), **scheduler, **options
+            )
+        if config.attention_config.hisparse_config is not None:
+            # A property that refuses, read where vLLM builds its workers.
+            _ = config.use_v2_model_runner
+    except (ValueError, TypeError, AttributeError) as e:
+        raise UsageError(f"vllm serve refuses this deployment: {_vllm_words(e)}") from e
+    return config, warnings
+
+
+def check_hisparse_host_pool(
+    config: VllmConfig, kv_transfer_config: KVTransferConfig | None
+) -> None:
     """vLLM's own check of HiSparse's host pool (`host_pool_gib`).
 
     Start-up runs it when it plans the KV cache, after loading the model:
     `get_hisparse_host_pool_bytes` in vllm/v1/hisparse/layout.py, through
-    `hisparse_host_pool_gib` in vllm/config/kv_transfer.py. It reads only
-    `kv_transfer_config`, which is all it is given here: a VllmConfig with
-    HiSparse cannot be built without CUDA.
+    `hisparse_host_pool_gib` in vllm/config/kv_transfer.py.
     """
     from vllm.v1.hisparse.layout import get_hisparse_host_pool_bytes
 
-    config = cast(VllmConfig, SimpleNamespace(kv_transfer_config=kv_transfer_config))
     try:
         get_hisparse_host_pool_bytes(config)
     except (ValueError, TypeError) as e:
@@ -250,20 +346,6 @@ def _check_hisparse_host_pool(kv_transfer_config: KVTransferConfig | None) -> No
         )
         option = "--kv-transfer-config" if in_connector else "--attention-config"
         raise UsageError(f"invalid {option}: {_one_line(e)}") from e
-
-
-def _supports_hybrid_kv_cache(config: KVTransferConfig) -> bool:
-    """`vllm serve`'s check of the connectors, which HiSparse needs to pass."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    try:
-        return KVConnectorFactory.supports_hma_config(config)
-    except ImportError:
-        # A connector whose dependencies are not installed here; serve
-        # machines have them, so this is no reason to refuse.
-        return True
-    except (ValueError, TypeError, AttributeError) as e:
-        raise UsageError(f"invalid --kv-transfer-config: {_one_line(e)}") from e
 
 
 class _ExplainParser(FlexibleArgumentParser):
@@ -281,9 +363,24 @@ class _ExplainParser(FlexibleArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         line = " ".join(message.split())
+        if message.startswith("unrecognized arguments:"):
+            line += self._nearest_option(message)
         if self.json_errors:
             print(json.dumps({"usage_error": line}))
         self.exit(EXIT_USAGE, f"error: {line}\n")
+
+    def _nearest_option(self, message: str) -> str:
+        """ "; did you mean --nnodes?" for the first unknown option, if one is
+        close. Abbreviations are refused (allow_abbrev=False): each option
+        behaves one way, its usage errors included."""
+        for word in message.split(":", 1)[1].split():
+            if not word.startswith("-"):
+                continue
+            known = [o for a in self._actions for o in a.option_strings]
+            nearest = difflib.get_close_matches(word.split("=")[0], known, n=1)
+            if nearest:
+                return f"; did you mean {nearest[0]}?"
+        return ""
 
 
 EPILOG = f"""\
@@ -315,6 +412,7 @@ def explain_parser() -> _ExplainParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         add_json_tip=False,
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--backend",
@@ -377,16 +475,32 @@ def explain_parser() -> _ExplainParser:
     )
     parser.add_argument(
         "--flashinfer-version",
-        default=installed_flashinfer_version(),
-        help="flashinfer-python version (default: the installed one)",
+        metavar="VERSION",
+        type=flashinfer_release,
+        help="flashinfer-python release, '' for none (default: the installed one)",
     )
     parser.add_argument(
         "--flashinfer-jit-cache-version",
         metavar="VERSION",
         default=installed_flashinfer_jit_cache_version(),
-        help="flashinfer-jit-cache version, '' for none (default: the installed "
-        f"one); FlashInfer loads one of another release only while "
-        f"{FLASHINFER_VERSION_CHECK_ENV} is set in the environment",
+        help="flashinfer-jit-cache (the shim) version, '' for none (default: "
+        "the installed one); FlashInfer takes one of another release only "
+        f"while {FLASHINFER_VERSION_CHECK_ENV} is set in the environment",
+    )
+    parser.add_argument(
+        "--flashinfer-jit-cache-provider",
+        metavar="DISTRIBUTION==VERSION",
+        action="append",
+        type=jit_cache_provider,
+        help="a kernel package the shim lists, taken to hold the MNNVL module "
+        "for the GPU; repeat for each (default: the installed shim's)",
+    )
+    parser.add_argument(
+        "--flashinfer-aot-module",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whether flashinfer-python's flashinfer/data/aot holds a prebuilt "
+        "MNNVL module (default: whether the installed one does)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument(
@@ -400,25 +514,46 @@ def explain_parser() -> _ExplainParser:
 def _hisparse(
     args: argparse.Namespace, options: dict[str, Any]
 ) -> tuple[bool, list[str]]:
-    """HiSparse from --hisparse, or from the vllm serve options."""
+    """HiSparse from --hisparse or the vllm serve options, as the
+    VllmConfig `vllm serve` builds from them says; UsageError for a
+    deployment it refuses."""
+    attention_config = options["attention_config"]
     if args.hisparse is not None:
         if (args.kv_transfer_config, args.attention_config) != (None, None):
             raise UsageError(
                 "--hisparse/--no-hisparse cannot be combined with "
                 "--kv-transfer-config or --attention-config, which decide it"
             )
-        return args.hisparse, []
-    return hisparse_from_serve_options(
-        options["kv_transfer_config"], options["attention_config"]
+        if args.hisparse:
+            attention_config = AttentionConfig(hisparse_config=HiSparseConfig())
+    config, warnings = engine_config(
+        options["kv_transfer_config"], attention_config, options["compilation_config"]
     )
+    hisparse = config.attention_config.hisparse_config is not None
+    if hisparse and args.hisparse is None:
+        check_hisparse_host_pool(config, options["kv_transfer_config"])
+    return hisparse, warnings
+
+
+# The vllm.envs settings explain reads, each by attribute, so that the
+# rebase coupling scan (tools/couplings.py) checks them against a release.
+_ENVIRONMENT_FLAGS: dict[str, Callable[[], Any]] = {
+    "VLLM_ALLREDUCE_USE_FLASHINFER": lambda: envs.VLLM_ALLREDUCE_USE_FLASHINFER,
+    "VLLM_BATCH_INVARIANT": lambda: envs.VLLM_BATCH_INVARIANT,
+}
 
 
 def _environment_flag(name: str) -> bool:
     """A 0/1 variable of vllm.envs, as `vllm serve` reads it."""
     try:
-        return bool(getattr(envs, name))
+        return bool(_ENVIRONMENT_FLAGS[name]())
     except ValueError as e:
         raise UsageError(f"{name} in the environment must be 0 or 1 ({e})") from e
+    except AttributeError as e:
+        raise UsageError(
+            f"the installed vLLM has no {name}: this build was made for another "
+            "vLLM release; reinstall it (pip install .) on the vLLM it pins"
+        ) from e
 
 
 def usage_from_serve_options(
@@ -469,6 +604,12 @@ def read_deployment(
         )
     except ValueError as e:
         parser.error(str(e))
+    providers = args.flashinfer_jit_cache_provider
+    if providers is None:
+        providers = installed_flashinfer_jit_cache_providers()
+    aot_module = args.flashinfer_aot_module
+    if aot_module is None:
+        aot_module = installed_flashinfer_aot_module()
     inputs = FiArBackendInputs(
         setting=setting,
         node_count=args.nnodes,
@@ -476,9 +617,15 @@ def read_deployment(
             args.capability if args.capability is not None else device_capability()
         ),
         hisparse=hisparse,
-        flashinfer_version=args.flashinfer_version,
+        flashinfer_version=(
+            installed_flashinfer_version()
+            if args.flashinfer_version is None
+            else args.flashinfer_version or None
+        ),
         multicast=args.multicast,
         flashinfer_jit_cache_version=args.flashinfer_jit_cache_version or None,
         flashinfer_version_check=flashinfer_version_check(),
+        flashinfer_jit_cache_providers=tuple(providers),
+        flashinfer_aot_module=aot_module,
     )
     return inputs, usage, warnings

@@ -36,10 +36,12 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FI_AR_BACKEND_ENV,
     FI_AR_KNOWN_ISSUES,
     FLASHINFER_VERSION_CHECK_ENV,
+    MNNVL_KERNEL_MODULE,
     MNNVL_MULTI_NODE_MIN_CAPABILITY,
     FiArBackendInputs,
     backend_span_error,
     decide_fi_ar_backend,
+    known_issue_detail,
 )
 
 # What stands for each side of the one capability rule in the decision,
@@ -63,18 +65,27 @@ FI_AR_PATHS = {
 # The top-level keys of every answer (the JSON adds "warnings"), also of
 # each answer in "by_gpu".
 ANSWER_KEYS = (
+    "state",
     "backend",
     "depends_on",
     "by_gpu",
     "allow_trtllm_fallback",
     "reason",
     "known_issue",
+    "known_issue_detail",
     "if_no_multicast",
     "error",
     "used_by",
     "assumed",
     "inputs",
 )
+# What "state" says of an answer, for a script: FlashInfer all-reduce runs,
+# is off, start-up fails on it, or it depends on what explain was not told
+# ("depends_on" names it).
+STATES = ("on", "off", "start-up fails", "unknown")
+# Why a path that would run FlashInfer all-reduce does not, when the backend
+# chosen for the group is none.
+BACKEND_OFF = "the group's backend is off"
 # Where vLLM keeps FlashInfer all-reduce's size limit (MB) by GPU and TP size.
 _SIZE_LIMITS_MODULE = "vllm.compilation.passes.fusion.allreduce_rms_fusion"
 _SIZE_LIMITS_NAME = "FI_ALLREDUCE_FUSION_MAX_SIZE_MB"
@@ -204,14 +215,42 @@ def fi_ar_paths(
 
 
 def _answer(**fields: Any) -> dict[str, Any]:
-    """An answer with every key of ANSWER_KEYS, None where not given."""
+    """An answer with every key of ANSWER_KEYS, None where not given, and
+    its state."""
     unknown = set(fields) - set(ANSWER_KEYS)
     assert not unknown, unknown
-    return {key: fields.get(key) for key in ANSWER_KEYS}
+    answer = {key: fields.get(key) for key in ANSWER_KEYS}
+    if answer["depends_on"] is not None:
+        answer["state"] = "unknown"
+    elif answer["error"] is not None:
+        answer["state"] = "start-up fails"
+    else:
+        answer["state"] = "off" if answer["backend"] is None else "on"
+    return answer
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON can hold it: sets as sorted lists."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return value
 
 
 def _inputs(inputs: FiArBackendInputs, usage: FiArUsageInputs) -> dict[str, Any]:
-    return {**dataclasses.asdict(inputs), **dataclasses.asdict(usage)}
+    return _plain({**dataclasses.asdict(inputs), **dataclasses.asdict(usage)})
+
+
+def _with_backend_off(used_by: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The paths of a group whose backend is off: none runs FlashInfer
+    all-reduce; a path already off keeps its own reason."""
+    return {
+        name: path if path["on"] is False else {"on": False, "why": BACKEND_OFF}
+        for name, path in used_by.items()
+    }
 
 
 def explain_fi_ar_backend(
@@ -222,7 +261,7 @@ def explain_fi_ar_backend(
     While multicast is unknown (as at start-up), `if_no_multicast` holds the
     decision for a node without it when that differs. Where no path runs
     FlashInfer all-reduce, the backend is off whatever the decision, and
-    start-up cannot fail on it.
+    start-up cannot fail on it; where the backend is off, no path runs it.
     """
     used_by, assumed = fi_ar_paths(inputs, usage)
     if all(path["on"] is False for path in used_by.values()):
@@ -246,11 +285,14 @@ def explain_fi_ar_backend(
         other = decide_fi_ar_backend(dataclasses.replace(inputs, multicast=False))
         if other.backend != decision.backend:
             if_no_multicast = {"backend": other.backend, "reason": other.reason}
+    if decision.backend is None:
+        used_by = _with_backend_off(used_by)
     return _answer(
         backend=decision.backend,
         allow_trtllm_fallback=decision.allow_trtllm_fallback,
         reason=decision.reason,
         known_issue=decision.known_issue,
+        known_issue_detail=known_issue_detail(inputs, decision),
         if_no_multicast=if_no_multicast,
         error=error,
         used_by=used_by,
@@ -422,6 +464,7 @@ def _print_text(
         print(f"  used by: {paths}")
     if explained["assumed"]:
         print(f"  assumed: {'; '.join(explained['assumed'])}")
+    _print_known_issue(explained["known_issue_detail"])
     print(
         f"  inputs: {FI_AR_BACKEND_ENV}={inputs.setting}, "
         f"{inputs.node_count} node(s), "
@@ -437,14 +480,36 @@ def _print_text(
     )
 
 
+def _print_known_issue(detail: dict[str, Any] | None) -> None:
+    """What the log line leaves out: the issue, whose kernels, the fix."""
+    if detail is None:
+        return
+    print(
+        f"  known issue: {detail['name']}: {detail['summary']} "
+        f"({', '.join(detail['links'])})"
+    )
+    print(f"  MNNVL kernels: {detail['kernels']}")
+    if detail["fixed_in"]:
+        print(f"  fixed in: {detail['fixed_in']}")
+    if detail["get_fix"]:
+        print(f"  to get the fix: {detail['get_fix']}")
+    print(f"  override: {detail['override']}")
+
+
 def _jit_cache_input(inputs: FiArBackendInputs) -> str:
-    """The flashinfer-jit-cache part of the inputs line, if there is one."""
-    if inputs.flashinfer_jit_cache_version is None:
-        return ""
-    check = f" ({FLASHINFER_VERSION_CHECK_ENV} set)"
-    if inputs.flashinfer_version_check:
-        check = ""
-    return f", flashinfer-jit-cache {inputs.flashinfer_jit_cache_version}{check}"
+    """The jit-cache part of the inputs line, if there is one."""
+    parts = []
+    if inputs.flashinfer_aot_module:
+        parts.append(f"flashinfer/data/aot/{MNNVL_KERNEL_MODULE}")
+    if inputs.flashinfer_jit_cache_version is not None:
+        parts.append(f"flashinfer-jit-cache {inputs.flashinfer_jit_cache_version}")
+        parts += [
+            f"{provider.distribution} {provider.version}"
+            for provider in inputs.flashinfer_jit_cache_providers
+        ]
+    if parts and not inputs.flashinfer_version_check:
+        parts.append(f"{FLASHINFER_VERSION_CHECK_ENV} set")
+    return "".join(f", {part}" for part in parts)
 
 
 def main(argv: list[str] | None = None) -> int:
