@@ -30,6 +30,8 @@ MNNVL_KERNEL_MODULE = "trtllm_mnnvl_comm"
 # The version a flashinfer-python installed from a source checkout reports;
 # FlashInfer checks no jit-cache against it (flashinfer/jit/env.py).
 FLASHINFER_SOURCE_VERSION = "0.0.0+unknown"
+# The kernels' package where flashinfer-python is not installed.
+NO_FLASHINFER = "flashinfer-python (not installed)"
 # The command that explains the choice in full, named by the reason line.
 EXPLAIN_COMMAND = "python -m vllm.explain_flashinfer_all_reduce"
 # The flashinfer-python that vllm 0.33.0 requires (its wheel's Requires-Dist)
@@ -297,7 +299,7 @@ def kernel_release(inputs: FiArBackendInputs) -> tuple[str | None, str]:
     """
     installed = inputs.flashinfer_version
     if installed is None:
-        return None, "flashinfer-python (not installed)"
+        return None, NO_FLASHINFER
     if inputs.flashinfer_aot_module:
         return None, (
             f"flashinfer-python {installed}'s flashinfer/data/aot/"

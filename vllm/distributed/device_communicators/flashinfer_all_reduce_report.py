@@ -38,6 +38,7 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FLASHINFER_VERSION_CHECK_ENV,
     MNNVL_KERNEL_MODULE,
     MNNVL_MULTI_NODE_MIN_CAPABILITY,
+    NO_FLASHINFER,
     FiArBackendInputs,
     backend_span_error,
     decide_fi_ar_backend,
@@ -429,6 +430,8 @@ def fi_ar_decision_table() -> str:
                             )
                         )
                         why = explained["error"] or explained["reason"]
+                        # A range of releases stands for the one release.
+                        why = why.replace(NO_FLASHINFER, f"flashinfer-python {label}")
                         rows[label] = f"{_describe_backend(explained)} | {why} |"
                     if len(set(rows.values())) == 1:
                         rows = {"any": next(iter(rows.values()))}
