@@ -1129,17 +1129,20 @@ def test_explain_off_backend_is_used_by_no_path(explain, capsys, monkeypatch):
     )
 
 
-def _run_script(argv: list[str]) -> subprocess.CompletedProcess[str]:
+def _run_script(
+    argv: list[str], run: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """The command as an operator runs it on a laptop: no GPU, no config.
 
-    A new interpreter with this tree's modules; subprocess.run kills it at
-    the hard timeout.
+    A new interpreter with this tree's modules, running `run` (default: the
+    command's module); subprocess.run kills it at the hard timeout.
     """
     env = {k: v for k, v in os.environ.items() if k not in (ENV, STANDALONE_ENV)}
-    run = (
-        "import tree_imports, runpy; tree_imports.install(); "
-        f"runpy.run_module({EXPLAIN_COMMAND_MODULE!r}, run_name='__main__')"
-    )
+    if run is None:
+        run = (
+            "import tree_imports, runpy; tree_imports.install(); "
+            f"runpy.run_module({EXPLAIN_COMMAND_MODULE!r}, run_name='__main__')"
+        )
     return subprocess.run(
         [sys.executable, "-c", run, *argv],
         capture_output=True,
@@ -1176,19 +1179,7 @@ sys.exit(launcher.main(sys.argv[2:]))
 def test_explain_json_is_one_document_with_a_held_error_record(argv):
     """stdout holds the answer (or the usage error) as one JSON document;
     the held error record goes to stderr."""
-    env = {k: v for k, v in os.environ.items() if k not in (ENV, STANDALONE_ENV)}
-    proc = subprocess.run(
-        [sys.executable, "-c", FORCED_ERROR_RUN, EXPLAIN_COMMAND_MODULE, "--json"]
-        + list(argv),
-        capture_output=True,
-        text=True,
-        env={
-            **env,
-            "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": str(tree_imports.REPO_ROOT / "tests"),
-        },
-        timeout=300,
-    )
+    proc = _run_script([EXPLAIN_COMMAND_MODULE, "--json", *argv], FORCED_ERROR_RUN)
     assert isinstance(json.loads(proc.stdout), dict), proc.stdout
     assert "forced error record" in proc.stderr
     assert "forced error record" not in proc.stdout

@@ -234,23 +234,25 @@ def fi074_two_nodes(tmp_path_factory) -> list[dict[str, dict[str, Any]]]:
         flashinfer="0.7.4",
         jit_cache="0.7.2.post1+cu129",
     )
+    cases = [
+        {"name": "hisparse", "hisparse": "connector"},
+        {
+            "name": "hisparse-jit-cache-unchecked",
+            "hisparse": "connector",
+            "env": {VERSION_CHECK: "1"},
+        },
+    ]
+    return _run_group_on(site, cases, nnodes=2, ranks_per_node=1)
+
+
+def _run_group_on(site, cases, **shape) -> list[dict[str, dict[str, Any]]]:
+    """`run_group` with the synthetic FlashInfer at `site` first on
+    PYTHONPATH and FlashInfer's version check on unless a case says."""
     path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", path)
         patch.delenv(VERSION_CHECK, raising=False)
-        return run_group(
-            [
-                {"name": "hisparse", "hisparse": "connector"},
-                {
-                    "name": "hisparse-jit-cache-unchecked",
-                    "hisparse": "connector",
-                    "env": {VERSION_CHECK: "1"},
-                },
-            ],
-            nnodes=2,
-            ranks_per_node=1,
-            timeout=120,
-        )
+        return run_group(cases, timeout=120, **shape)
 
 
 def test_hisparse_multi_node_blackwell_gets_mnnvl_on_flashinfer_0_7_4(
@@ -298,28 +300,16 @@ def fi074_older_provider(tmp_path_factory) -> list[dict[str, dict[str, Any]]]:
         jit_cache="0.7.4",
         providers=[OLDER_PROVIDER],
     )
-    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", path)
-        patch.delenv(VERSION_CHECK, raising=False)
-        return run_group(
-            [
-                {"name": "checked", "hisparse": "connector"},
-                {
-                    "name": "unchecked",
-                    "hisparse": "connector",
-                    "env": {VERSION_CHECK: "1"},
-                },
-                {
-                    "name": "check-differs",
-                    "hisparse": "connector",
-                    "per_rank": {"1": {"env": {VERSION_CHECK: "1"}}},
-                },
-            ],
-            nnodes=1,
-            ranks_per_node=2,
-            timeout=120,
-        )
+    cases = [
+        {"name": "checked", "hisparse": "connector"},
+        {"name": "unchecked", "hisparse": "connector", "env": {VERSION_CHECK: "1"}},
+        {
+            "name": "check-differs",
+            "hisparse": "connector",
+            "per_rank": {"1": {"env": {VERSION_CHECK: "1"}}},
+        },
+    ]
+    return _run_group_on(site, cases, nnodes=1, ranks_per_node=2)
 
 
 def test_hisparse_counts_the_provider_whose_kernels_run(fi074_older_provider):
