@@ -598,10 +598,12 @@ def read_deployment(
             name: _parse_serve_option(name, getattr(args, name))
             for name in SERVE_OPTIONS
         }
-        hisparse, warnings = _hisparse(args, options)
+        # The switches first: VllmConfig reads some of them itself, and
+        # would refuse a bad one in words that do not name it.
         usage = usage_from_serve_options(
             options["compilation_config"], args.tensor_parallel_size
         )
+        hisparse, warnings = _hisparse(args, options)
     except ValueError as e:
         parser.error(str(e))
     providers = args.flashinfer_jit_cache_provider
