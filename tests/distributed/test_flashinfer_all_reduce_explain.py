@@ -1078,11 +1078,16 @@ def test_explain_knows_every_hisparse_refusal_of_vllm_config():
         assert option in docs
 
 
-def test_explain_refuses_a_flashinfer_version_that_is_no_release(explain, capsys):
-    status, out, err = _run(explain, capsys, "--flashinfer-version", "latest")
+@pytest.mark.parametrize(
+    "option", ["--flashinfer-version", "--flashinfer-jit-cache-version"]
+)
+def test_explain_refuses_a_flashinfer_version_that_is_no_release(
+    explain, capsys, option
+):
+    status, out, err = _run(explain, capsys, option, "latest")
     assert (status, out) == (2, "")
     assert err == (
-        "error: argument --flashinfer-version: 'latest' is not a FlashInfer "
+        f"error: argument {option}: 'latest' is not a FlashInfer "
         "release: give one such as 0.7.4\n"
     )
 

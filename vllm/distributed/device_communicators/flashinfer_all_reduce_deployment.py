@@ -482,7 +482,7 @@ def explain_parser() -> _ExplainParser:
     parser.add_argument(
         "--flashinfer-jit-cache-version",
         metavar="VERSION",
-        default=installed_flashinfer_jit_cache_version(),
+        type=flashinfer_release,
         help="flashinfer-jit-cache (the shim) version, '' for none (default: "
         "the installed one); FlashInfer takes one of another release only "
         f"while {FLASHINFER_VERSION_CHECK_ENV} is set in the environment",
@@ -625,7 +625,11 @@ def read_deployment(
             else args.flashinfer_version or None
         ),
         multicast=args.multicast,
-        flashinfer_jit_cache_version=args.flashinfer_jit_cache_version or None,
+        flashinfer_jit_cache_version=(
+            installed_flashinfer_jit_cache_version()
+            if args.flashinfer_jit_cache_version is None
+            else args.flashinfer_jit_cache_version or None
+        ),
         flashinfer_version_check=flashinfer_version_check(),
         flashinfer_jit_cache_providers=tuple(providers),
         flashinfer_aot_module=aot_module,
