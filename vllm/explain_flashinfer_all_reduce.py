@@ -8,7 +8,7 @@
     python -m vllm.explain_flashinfer_all_reduce --help
 
 The explanation lives in
-`vllm.distributed.device_communicators.flashinfer_all_reduce_explain`; this
+`vllm.distributed.device_communicators.flashinfer_all_reduce_report`; this
 module starts it from where importing loads nothing of torch or vLLM.
 Running a module inside `vllm.distributed` imports that package first, and
 the import logs torch's notices before any code of the module runs.
@@ -22,6 +22,8 @@ from types import TracebackType
 # FlashInfer's records reach it while vLLM has not configured logging),
 # and vLLM's and torch's own.
 HELD_LOGGERS = ("", "vllm", "torch")
+# How a held error is written to stderr once explain ends.
+HELD_RECORD_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
 class ErrorsOnly(logging.Handler):
@@ -30,8 +32,9 @@ class ErrorsOnly(logging.Handler):
     explain answers for a deployment, not for the machine it runs on. What
     torch and vLLM log while they load here (deprecations of this torch,
     kernels this machine lacks) would bury a one-line usage error or the
-    answer, so records below ERROR are dropped. Errors are held and passed
-    on when explain ends, in order, to where they would have gone.
+    answer, so records below ERROR are dropped. Errors are held and written
+    to stderr when explain ends, in order: not through vLLM's handler, which
+    writes to stdout, where the answer (with --json, one JSON document) is.
     """
 
     def __init__(self) -> None:
@@ -58,8 +61,10 @@ class ErrorsOnly(logging.Handler):
         for logger, handlers, propagate in reversed(self._saved):
             logger.handlers, logger.propagate = handlers, propagate
         self._saved.clear()
+        to_stderr = logging.StreamHandler(sys.stderr)
+        to_stderr.setFormatter(logging.Formatter(HELD_RECORD_FORMAT))
         for record in self.records:
-            logging.getLogger(record.name).handle(record)
+            to_stderr.handle(record)
         self.records.clear()
 
 
@@ -67,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run explain with torch's and vLLM's logs kept to their errors."""
     with ErrorsOnly():
         from vllm.distributed.device_communicators import (
-            flashinfer_all_reduce_explain as explain,
+            flashinfer_all_reduce_report as report,
         )
 
-        return explain.main(argv)
+        return report.main(argv)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from fi_ar_utils import (
+    DEPLOYMENT_MODULE,
     ENV,
-    EXPLAIN_MODULE,
     MODULE,
     POLICY_MODULE,
     FakeFlashInferDevice,
+    REPORT_MODULE,
     FakeWorkspaceFactory,
     free_port,
     pin_gpu,
@@ -83,8 +84,15 @@ def policy():
 
 @pytest.fixture
 def explain(fi_ar):
-    """The explain command, on the same faked device as `fi_ar`."""
-    return importlib.import_module(EXPLAIN_MODULE)
+    """The explain command's answer and output (its `main`), on the same
+    faked device as `fi_ar`."""
+    return importlib.import_module(REPORT_MODULE)
+
+
+@pytest.fixture
+def deployment(fi_ar):
+    """How explain reads a deployment's `vllm serve` options."""
+    return importlib.import_module(DEPLOYMENT_MODULE)
 
 
 @pytest.fixture

@@ -35,7 +35,9 @@ MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 POLICY_MODULE = f"{MODULE}_policy"
 GROUP_MODULE = f"{MODULE}_group"
 CREATION_MODULE = f"{MODULE}_creation"
-EXPLAIN_MODULE = f"{MODULE}_explain"
+INSTALLED_MODULE = f"{MODULE}_installed"
+REPORT_MODULE = f"{MODULE}_report"
+DEPLOYMENT_MODULE = f"{MODULE}_deployment"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HIDDEN_DIM = 4096
 MAX_TOKENS = 128
@@ -289,14 +291,18 @@ def write_synthetic_flashinfer(
     *,
     flashinfer: str | None = None,
     jit_cache: str | None = None,
+    providers: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Install a flashinfer-python and a flashinfer-jit-cache of these
     versions under `root`, for `root` to go first on sys.path or PYTHONPATH.
 
     Each is what the real one leaves for the readers that matter: a
     dist-info (importlib.metadata), and for the jit-cache its
-    `flashinfer_jit_cache` module with the `__version__` and the (here empty)
-    `get_jit_cache_providers()` that FlashInfer's loader reads. No kernels.
+    `flashinfer_jit_cache` module with the `__version__` and the
+    `get_jit_cache_providers()` that FlashInfer's loader reads
+    (`_get_aot_providers` in flashinfer/jit/env.py): one object per entry
+    of `providers`, with its `distribution`, `version`, `modules` and
+    `cuda_architectures` (none by default). No kernels.
     """
     root.mkdir(parents=True, exist_ok=True)
     for name, release in (
@@ -315,9 +321,12 @@ def write_synthetic_flashinfer(
         package = root / "flashinfer_jit_cache"
         package.mkdir()
         (package / "__init__.py").write_text(
+            "from types import SimpleNamespace\n\n"
             f"__version__ = {jit_cache!r}\n\n\n"
             "def get_jit_cache_providers():\n"
-            "    return ()\n"
+            "    return tuple(\n"
+            f"        SimpleNamespace(**provider) for provider in {providers or []!r}\n"
+            "    )\n"
         )
     return root
 

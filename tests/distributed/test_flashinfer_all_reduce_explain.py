@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import tree_imports
@@ -28,6 +29,8 @@ EXPLAIN_COMMAND_MODULE = "vllm.explain_flashinfer_all_reduce"
 STANDALONE_ENV = "VLLM_ALLREDUCE_USE_FLASHINFER"
 # The documented JSON answer (docs/configuration/flashinfer_all_reduce.md).
 ANSWER_KEYS = {
+    "state",
+    "known_issue_detail",
     "backend",
     "depends_on",
     "by_gpu",
@@ -49,6 +52,39 @@ HISPARSE = {
 }
 
 
+# How explain words a refusal of vLLM's config; vLLM's own words follow.
+REFUSES = "vllm serve refuses this deployment: "
+# VllmConfig's refusals of a HiSparse deployment (vllm/config/vllm.py in
+# vllm 0.33.0) and what explain does with each. Written out, so that a
+# release that adds, drops or rewords one fails
+# test_explain_knows_every_hisparse_refusal_of_vllm_config.
+VLLM_REFUSALS = {
+    "full-cudagraph": (
+        "HiSparse does not support cudagraph_mode=FULL; use FULL_AND_PIECEWISE "
+        "(the default), which captures FULL graphs for decode batches."
+    ),
+    "model-runner-v1": (
+        "HiSparse requires Model Runner V2; remove VLLM_USE_V2_MODEL_RUNNER=0."
+    ),
+    "hma": (
+        "HiSparse requires the hybrid KV cache manager; remove "
+        "--disable-hybrid-kv-cache-manager or use connectors that support HMA."
+    ),
+}
+# The ones that depend on what explain is not given (docs: "What explain
+# cannot know"), each with the option vllm serve takes for it.
+VLLM_REFUSALS_EXPLAIN_CANNOT_SEE = {
+    "HiSparse currently requires NVIDIA CUDA.": "the platform",
+    "HiSparse does not support pipeline parallelism.": "--pipeline-parallel-size",
+    "HiSparse does not support decode context parallelism.": (
+        "--decode-context-parallel-size"
+    ),
+    "HiSparse requires --scheduler-reserve-full-isl; remove "
+    "--no-scheduler-reserve-full-isl.": "--no-scheduler-reserve-full-isl",
+    "HiSparse is only supported for DSA models with index_topk.": "the model",
+}
+
+
 def _multi(*connectors) -> dict:
     return {
         "kv_connector": "MultiConnector",
@@ -65,6 +101,12 @@ def _run(explain, capsys, *argv: str) -> tuple[int, str, str]:
         status = e.code
     captured = capsys.readouterr()
     return status, captured.out, captured.err
+
+
+def _errors(err: str) -> list[str]:
+    """explain's error lines, without what torch logs the first time a test
+    in this process imports its extension helpers (the command holds it)."""
+    return [line for line in err.splitlines() if line.startswith("error:")]
 
 
 def _json(explain, capsys, *argv: str) -> dict:
@@ -191,11 +233,13 @@ def test_explain_rejects_hisparse_beside_a_connector_without_hma(
         explain, capsys, "--kv-transfer-config", json.dumps(_multi(HISPARSE, example))
     )
     assert status == 2
-    assert "invalid --kv-transfer-config: HiSparse requires the hybrid KV" in err
+    assert _errors(err) == [f"error: {REFUSES}{VLLM_REFUSALS['hma']}"]
     status, _, _ = _run(
         explain, capsys, "--kv-transfer-config", json.dumps(_multi(example))
     )
     assert status == 0
+    # explain's stand-in for a CUDA platform is gone once it has judged.
+    assert current_platform.is_cuda() is False
 
 
 def test_explain_rejects_a_bad_attention_config_in_one_line(explain, capsys):
@@ -207,15 +251,36 @@ def test_explain_rejects_a_bad_attention_config_in_one_line(explain, capsys):
 
 
 @pytest.mark.parametrize("inside_multi", [False, True])
-def test_explain_warns_about_a_connector_vllm_does_not_know(
-    explain, capsys, inside_multi
+@pytest.mark.parametrize("name", ["NoSuchConnector", "HiSparseConector"])
+def test_explain_refuses_a_connector_vllm_does_not_know(
+    explain, capsys, inside_multi, name
 ):
-    unknown = {"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}
+    """A misspelt connector stops vllm serve; it gets no answer, least of
+    all mnnvl, the backend that crashes with HiSparse."""
+    unknown = {**HISPARSE, "kv_connector": name}
     config = json.dumps(_multi(unknown) if inside_multi else unknown)
-    status, out, err = _run(explain, capsys, "--kv-transfer-config", config)
-    assert status == 0
-    assert out.startswith("FlashInfer all-reduce backend: ")
-    assert "warning:" in err and "'NoSuchConnector'" in err
+    for argv in (("--capability", "10.0"), ("--capability", "10.0", "--json")):
+        status, out, err = _run(explain, capsys, "--kv-transfer-config", config, *argv)
+        assert status == 2
+        assert _errors(err) == [f"error: {REFUSES}Unsupported connector type: {name}"]
+        assert "mnnvl" not in out
+
+
+def test_explain_loads_vllms_plugins_before_judging_a_connector(
+    explain, capsys, monkeypatch
+):
+    """A general plugin may register a connector, as under vllm serve."""
+    import vllm.plugins
+
+    loaded = []
+    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
+    monkeypatch.setattr(
+        vllm.plugins,
+        "load_plugins_by_group",
+        lambda group: {"site": lambda: loaded.append(group)},
+    )
+    _json(explain, capsys, "--capability", "10.0")
+    assert loaded == [vllm.plugins.DEFAULT_PLUGINS_GROUP]
 
 
 def test_explain_trusts_a_plugin_connector_it_cannot_import(explain, capsys):
@@ -229,7 +294,10 @@ def test_explain_trusts_a_plugin_connector_it_cannot_import(explain, capsys):
         explain, capsys, "--kv-transfer-config", json.dumps(_multi(HISPARSE, plugin))
     )
     assert explained["inputs"]["hisparse"] is True
-    assert explained["warnings"] == []
+    [warning] = explained["warnings"]
+    assert warning.startswith(
+        "--kv-transfer-config: a KV connector's module does not import here"
+    )
 
 
 def test_explain_hisparse_flag_does_not_contradict_the_serve_options(explain, capsys):
@@ -422,10 +490,23 @@ def test_explain_hisparse_with_and_without_the_flashinfer_fix(
     assert unfixed.startswith(
         f"FlashInfer all-reduce backend: {'trtllm' if nnodes == '1' else 'off'}\n"
     )
-    assert "FlashInfer 0.7.4 fixes it: `pip install -C flashinfer=0.7.4 .`" in unfixed
-    assert "the default stays on vLLM's tested pin, 0.7.2.post1" in unfixed
+    assert _text_line(unfixed, "to get the fix").startswith(
+        "  to get the fix: install this build on FlashInfer 0.7.4: from its "
+        "source tree, `pip install -C flashinfer=0.7.4 .`; for an image built "
+        "from its sdist, make the sdist with "
+        "`python -m build --sdist -C flashinfer=0.7.4`"
+    )
+    assert "The default stays on vLLM's tested pin, 0.7.2.post1" in unfixed
+    assert _text_line(unfixed, "override") == (
+        f"  override: {ENV}=mnnvl forces mnnvl, the backend that crashes with "
+        "HiSparse here"
+    )
     assert fixed.startswith("FlashInfer all-reduce backend: mnnvl")
-    assert "flashinfer#7782 override is retired: flashinfer-python 0.7.4" in fixed
+    assert (
+        "flashinfer#7782 override is retired: the kernels of flashinfer-python "
+        "0.7.4 have the fix" in fixed
+    )
+    assert "to get the fix" not in fixed
 
 
 def test_explain_counts_an_older_jit_cache_only_without_the_version_check(
@@ -446,11 +527,11 @@ def test_explain_counts_an_older_jit_cache_only_without_the_version_check(
     _, unchecked, _ = _run(explain, capsys, *argv)
     assert unchecked.startswith("FlashInfer all-reduce backend: trtllm\n")
     assert (
-        "flashinfer-python 0.7.4 would run the kernels of flashinfer-jit-cache "
-        f"0.7.2.post1+cu129 ({VERSION_CHECK} is set), which lack the fix" in unchecked
+        "mnnvl crashes with HiSparse on the kernels of flashinfer-jit-cache "
+        f"0.7.2.post1+cu129 ({VERSION_CHECK} is set)" in unchecked
     )
     assert unchecked.splitlines()[-1].endswith(
-        f"flashinfer-jit-cache 0.7.2.post1+cu129 ({VERSION_CHECK} set)"
+        f"flashinfer-jit-cache 0.7.2.post1+cu129, {VERSION_CHECK} set"
     )
     explained = _json(explain, capsys, *argv)
     assert explained["inputs"]["flashinfer_jit_cache_version"] == "0.7.2.post1+cu129"
@@ -572,7 +653,8 @@ def test_explain_hisparse_one_node_is_trtllm(explain, capsys):
     status, out, _ = _run(explain, capsys, "--capability", "10.0", "--hisparse")
     assert status == 0
     assert out.startswith("FlashInfer all-reduce backend: trtllm\n")
-    assert "flashinfer#7782" in out and f"{ENV}=mnnvl to override" in out
+    assert "flashinfer#7782" in _text_line(out, "why")
+    assert f"  override: {ENV}=mnnvl forces mnnvl, the backend that crashes" in out
 
 
 def test_explain_hisparse_two_nodes_is_off(explain, capsys):
@@ -608,13 +690,13 @@ def test_explain_rejects_bad_input(explain, capsys, monkeypatch):
     assert "Valid options" in capsys.readouterr().err
 
 
-def test_docs_decision_table_matches_the_code(explain):
+def test_docs_decision_table_matches_the_code(explain, deployment):
     page = DOCS.read_text()
     start = page.index(TABLE_BEGIN) + len(TABLE_BEGIN)
     documented = page[start : page.index(TABLE_END, start)]
     assert documented == explain.fi_ar_decision_table(), (
         f"{DOCS.name} is out of date; regenerate its table with "
-        f"`{explain.EXPLAIN_COMMAND} --table`"
+        f"`{deployment.EXPLAIN_COMMAND} --table`"
     )
 
 
@@ -675,11 +757,12 @@ def test_explain_usage_error_is_one_line(explain, capsys, argv):
     assert json.loads(out) == {"usage_error": err.removeprefix("error: ").rstrip()}
 
 
-def test_explain_refuses_a_switch_vllm_cannot_read(explain, capsys, monkeypatch):
-    monkeypatch.setenv(STANDALONE_ENV, "yes")
+@pytest.mark.parametrize("name", [STANDALONE_ENV, "VLLM_BATCH_INVARIANT"])
+def test_explain_refuses_a_switch_vllm_cannot_read(explain, capsys, monkeypatch, name):
+    monkeypatch.setenv(name, "yes")
     status, out, err = _run(explain, capsys)
     assert status == 2 and out == ""
-    assert err.startswith(f"error: {STANDALONE_ENV} in the environment must be 0 or 1")
+    assert err.startswith(f"error: {name} in the environment must be 0 or 1")
     assert err.count("\n") == 1
 
 
@@ -859,11 +942,11 @@ def test_explain_takes_vllms_default_for_the_fusion_pass(
     assert fused is engine.compilation_config.pass_config.fuse_allreduce_rms
 
 
-def test_explain_defaults_are_vllm_serves(explain, monkeypatch):
+def test_explain_defaults_are_vllm_serves(deployment, monkeypatch):
     """What explain takes for switches nobody gave: vllm serve's own."""
     monkeypatch.delenv(STANDALONE_ENV, raising=False)
     monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
-    assert explain.usage_from_serve_options(None, None) == explain.DEFAULT_USAGE
+    assert deployment.usage_from_serve_options(None, None) == deployment.DEFAULT_USAGE
 
 
 def test_explain_prints_each_paths_state_and_only_what_it_assumed(
@@ -920,17 +1003,206 @@ def test_explain_without_a_gpu_takes_the_fusion_pass_default_as_on(explain):
     assert used_by["standalone"] == {"on": True, "why": None}
 
 
-def _run_script(argv: list[str]) -> subprocess.CompletedProcess[str]:
+def _vllm_config_refusal(monkeypatch, case: str) -> str:
+    """What the real VllmConfig raises for `case`, built as on a CUDA GPU."""
+    from pydantic import ValidationError
+
+    from vllm.config import (
+        AttentionConfig,
+        CompilationConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        VllmConfig,
+    )
+    from vllm.config.attention import HiSparseConfig
+
+    pin_gpu(monkeypatch, 100)
+    kwargs: dict = {
+        "attention_config": AttentionConfig(hisparse_config=HiSparseConfig())
+    }
+    if case == "full-cudagraph":
+        kwargs["compilation_config"] = CompilationConfig(cudagraph_mode="FULL")
+    if case == "hma":
+        from vllm.distributed.kv_transfer.kv_connector.factory import (
+            KVConnectorFactory,
+        )
+        from vllm.platforms import current_platform
+
+        example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+        # Connector modules import CUDA kernels on a CUDA platform: import it
+        # as on this machine first, as explain does.
+        with monkeypatch.context() as here:
+            here.setattr(type(current_platform), "is_cuda", lambda self: False)
+            multi = KVTransferConfig(**_multi(HISPARSE, example))
+            KVConnectorFactory.supports_hma_config(multi)
+        kwargs = {"kv_transfer_config": multi}
+    if case == "model-runner-v1":
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    try:
+        config = VllmConfig(device_config=DeviceConfig(device="cpu"), **kwargs)
+        _ = config.use_v2_model_runner
+    except ValidationError as e:
+        [error] = e.errors()
+        return str(error["ctx"]["error"])
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"VllmConfig took {case}")
+
+
+REFUSAL_ARGV = {
+    "full-cudagraph": ("--hisparse", "-cc", '{"cudagraph_mode": "FULL"}'),
+    "model-runner-v1": ("--hisparse",),
+    "hma": (
+        "--kv-transfer-config",
+        json.dumps(
+            _multi(HISPARSE, {"kv_connector": "ExampleConnector", "kv_role": "kv_both"})
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VLLM_REFUSALS))
+def test_explain_refuses_what_vllm_config_refuses_in_its_words(
+    explain, capsys, monkeypatch, case
+):
+    """One line, exit 2, vLLM's text; with --json, the same as JSON."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert _vllm_config_refusal(monkeypatch, case) == VLLM_REFUSALS[case]
+    monkeypatch.undo()
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: False)
+    if case == "model-runner-v1":
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    argv = ("--capability", "10.0", *REFUSAL_ARGV[case])
+    status, out, err = _run(explain, capsys, *argv)
+    assert (status, out) == (2, "")
+    assert _errors(err) == [f"error: {REFUSES}{VLLM_REFUSALS[case]}"]
+    status, out, _ = _run(explain, capsys, *argv, "--json")
+    assert status == 2
+    assert json.loads(out) == {"usage_error": f"{REFUSES}{VLLM_REFUSALS[case]}"}
+
+
+def _hisparse_refusals_in(source: str) -> set[str]:
+    """The messages VllmConfig raises under a test of `hisparse_config`."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if not (
+            isinstance(node, ast.If) and "hisparse_config" in ast.unparse(node.test)
+        ):
+            continue
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Raise) and isinstance(inner.exc, ast.Call):
+                parts = [a for a in inner.exc.args if isinstance(a, ast.Constant)]
+                found |= {p.value for p in parts if isinstance(p.value, str)}
+    return found
+
+
+def test_explain_knows_every_hisparse_refusal_of_vllm_config():
+    """A rebase onto a release that adds, drops or rewords a refusal of a
+    HiSparse deployment fails here: explain refuses it or the docs say why
+    it cannot (VLLM_REFUSALS, VLLM_REFUSALS_EXPLAIN_CANNOT_SEE)."""
+    import vllm.config.vllm as vllm_config
+
+    source = importlib.util.find_spec(vllm_config.__name__).origin
+    found = _hisparse_refusals_in(Path(source).read_text())
+    known = set(VLLM_REFUSALS.values()) | set(VLLM_REFUSALS_EXPLAIN_CANNOT_SEE)
+    assert found == known
+    docs = DOCS.read_text()
+    for option in VLLM_REFUSALS_EXPLAIN_CANNOT_SEE.values():
+        assert option in docs
+
+
+@pytest.mark.parametrize(
+    "option", ["--flashinfer-version", "--flashinfer-jit-cache-version"]
+)
+def test_explain_refuses_a_flashinfer_version_that_is_no_release(
+    explain, capsys, option
+):
+    status, out, err = _run(explain, capsys, option, "latest")
+    assert (status, out) == (2, "")
+    assert err == (
+        f"error: argument {option}: 'latest' is not a FlashInfer "
+        "release: give one such as 0.7.4\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "nearest"),
+    [(("--jso",), "--json"), (("--nodes", "2"), "--nnodes"), (("--hisparce",), None)],
+)
+def test_explain_refuses_abbreviations_and_suggests_the_nearest_option(
+    explain, capsys, argv, nearest
+):
+    """An abbreviation is an unknown option, under --json or not."""
+    status, out, err = _run(explain, capsys, *argv)
+    assert (status, out) == (2, "")
+    assert err.startswith(f"error: unrecognized arguments: {argv[0]}")
+    if nearest:
+        assert err.endswith(f"; did you mean {nearest}?\n")
+    status, out, _ = _run(explain, capsys, "--json", *argv)
+    assert status == 2
+    assert json.loads(out)["usage_error"].startswith("unrecognized arguments:")
+
+
+def test_explain_says_so_when_vllm_lacks_a_setting_it_reads(
+    explain, deployment, capsys, monkeypatch
+):
+    """A release that renames a setting: one line, no traceback."""
+
+    def renamed():
+        raise AttributeError(
+            "module 'vllm.envs' has no attribute 'VLLM_BATCH_INVARIANT'"
+        )
+
+    monkeypatch.setitem(deployment._ENVIRONMENT_FLAGS, "VLLM_BATCH_INVARIANT", renamed)
+    status, out, err = _run(explain, capsys)
+    assert (status, out) == (2, "")
+    assert err.startswith("error: the installed vLLM has no VLLM_BATCH_INVARIANT")
+    assert err.count("\n") == 1
+
+
+def test_explain_off_backend_is_used_by_no_path(explain, capsys, monkeypatch):
+    """Two GB200 nodes with HiSparse on 0.7.2.post1: off, and no path says
+    it runs FlashInfer all-reduce; the JSON tells "off" apart from "unknown"."""
+    monkeypatch.delenv(ENV, raising=False)
+    argv = ("--nnodes", "2", "-tp", "8", "--capability", "10.0", "--hisparse")
+    argv += ("--flashinfer-version", "0.7.2.post1")
+    status, out, _ = _run(explain, capsys, *argv)
+    assert status == 0
+    assert _text_line(out, "used by") == (
+        "  used by: standalone all-reduce: no (the group's backend is off); "
+        "fusion pass: no (the group's backend is off); model's own fusion: no "
+        "(the group's backend is off)"
+    )
+    explained = _json(explain, capsys, *argv)
+    assert explained["state"] == "off"
+    assert all(path["on"] is False for path in explained["used_by"].values())
+    pin_gpu(monkeypatch, None)
+    unknown = _json(
+        explain, capsys, "--nnodes", "2", "--hisparse", "--flashinfer-version", "0.7.4"
+    )
+    assert (
+        unknown["state"] == "unknown" and unknown["depends_on"] == "device_capability"
+    )
+
+
+def _run_script(
+    argv: list[str], run: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """The command as an operator runs it on a laptop: no GPU, no config.
 
-    A new interpreter with this tree's modules; subprocess.run kills it at
-    the hard timeout.
+    A new interpreter with this tree's modules, running `run` (default: the
+    command's module); subprocess.run kills it at the hard timeout.
     """
     env = {k: v for k, v in os.environ.items() if k not in (ENV, STANDALONE_ENV)}
-    run = (
-        "import tree_imports, runpy; tree_imports.install(); "
-        f"runpy.run_module({EXPLAIN_COMMAND_MODULE!r}, run_name='__main__')"
-    )
+    if run is None:
+        run = (
+            "import tree_imports, runpy; tree_imports.install(); "
+            f"runpy.run_module({EXPLAIN_COMMAND_MODULE!r}, run_name='__main__')"
+        )
     return subprocess.run(
         [sys.executable, "-c", run, *argv],
         capture_output=True,
@@ -942,6 +1214,35 @@ def _run_script(argv: list[str]) -> subprocess.CompletedProcess[str]:
         },
         timeout=300,
     )
+
+
+# Runs the command with vLLM's own logging set up first (its handler writes
+# to stdout), and an error record logged while explain runs.
+FORCED_ERROR_RUN = """
+import importlib, sys
+import tree_imports
+tree_imports.install()
+from vllm.logger import _configure_vllm_root_logger, init_logger
+_configure_vllm_root_logger()
+launcher = importlib.import_module(sys.argv[1])
+held = launcher.ErrorsOnly.__enter__
+def enter(self):
+    entered = held(self)
+    init_logger("vllm.forced").error("forced error record")
+    return entered
+launcher.ErrorsOnly.__enter__ = enter
+sys.exit(launcher.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [("--capability", "10.0"), ("--nnodes", "0")])
+def test_explain_json_is_one_document_with_a_held_error_record(argv):
+    """stdout holds the answer (or the usage error) as one JSON document;
+    the held error record goes to stderr."""
+    proc = _run_script([EXPLAIN_COMMAND_MODULE, "--json", *argv], FORCED_ERROR_RUN)
+    assert isinstance(json.loads(proc.stdout), dict), proc.stdout
+    assert "forced error record" in proc.stderr
+    assert "forced error record" not in proc.stdout
 
 
 def test_explain_usage_error_is_one_line_as_a_script():

@@ -20,6 +20,7 @@ import pytest
 from fi_ar_utils import (
     ENV,
     GROUP_MODULE,
+    INSTALLED_MODULE,
     CollectiveCounter,
     build_config,
     every_rank,
@@ -54,8 +55,9 @@ def test_flashinfer_auto_backend_inputs_from_the_platform(fi_ar, monkeypatch):
     def not_installed(name: str) -> str:
         raise PackageNotFoundError(name)
 
-    monkeypatch.setattr(group, "version", not_installed)
-    assert group.installed_flashinfer_version() is None
+    installed = importlib.import_module(INSTALLED_MODULE)
+    monkeypatch.setattr(installed, "version", not_installed)
+    assert installed.installed_flashinfer_version() is None
 
 
 VERSION_CHECK = "FLASHINFER_DISABLE_VERSION_CHECK"
@@ -65,10 +67,10 @@ def test_flashinfer_jit_cache_is_read_as_flashinfer_reads_it(
     fi_ar, installed_flashinfer, monkeypatch
 ):
     """The version of an importable `flashinfer_jit_cache` module, or None."""
-    group = importlib.import_module(GROUP_MODULE)
-    assert group.installed_flashinfer_jit_cache_version() is None
+    installed = importlib.import_module(INSTALLED_MODULE)
+    assert installed.installed_flashinfer_jit_cache_version() is None
     installed_flashinfer(jit_cache="0.7.2.post1+cu129")
-    assert group.installed_flashinfer_jit_cache_version() == "0.7.2.post1+cu129"
+    assert installed.installed_flashinfer_jit_cache_version() == "0.7.2.post1+cu129"
 
 
 @pytest.mark.parametrize(
@@ -78,14 +80,14 @@ def test_a_flashinfer_jit_cache_flashinfer_cannot_read_counts_as_none(
     fi_ar, tmp_path, monkeypatch, init
 ):
     """FlashInfer's own import fails on it, so none of its kernels run."""
-    group = importlib.import_module(GROUP_MODULE)
+    installed = importlib.import_module(INSTALLED_MODULE)
     package = tmp_path / "flashinfer_jit_cache"
     package.mkdir()
     (package / "__init__.py").write_text(init)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flashinfer_jit_cache", raising=False)
     try:
-        assert group.installed_flashinfer_jit_cache_version() is None
+        assert installed.installed_flashinfer_jit_cache_version() is None
     finally:
         sys.modules.pop("flashinfer_jit_cache", None)
 
@@ -97,12 +99,58 @@ def test_flashinfer_version_check_is_read_as_flashinfer_reads_it(
     fi_ar, monkeypatch, value, check
 ):
     """Any non-empty value turns FlashInfer's check off, "0" included."""
-    group = importlib.import_module(GROUP_MODULE)
+    installed = importlib.import_module(INSTALLED_MODULE)
     if value is None:
         monkeypatch.delenv(VERSION_CHECK, raising=False)
     else:
         monkeypatch.setenv(VERSION_CHECK, value)
-    assert group.flashinfer_version_check() is check
+    assert installed.flashinfer_version_check() is check
+
+
+def test_jit_cache_providers_are_read_as_flashinfer_reads_them(
+    fi_ar, installed_flashinfer
+):
+    """Each entry of the shim's `get_jit_cache_providers()`, with the fields
+    FlashInfer's loader reads; what an entry does not say stays None."""
+    installed = importlib.import_module(INSTALLED_MODULE)
+    installed_flashinfer(
+        jit_cache="0.7.4",
+        providers=[
+            {
+                "distribution": "flashinfer-jit-cache-cu129",
+                "version": "0.7.2.post1",
+                "modules": ["trtllm_mnnvl_comm"],
+                "cuda_architectures": ["sm100a", "sm103a"],
+            },
+            {"distribution": "flashinfer-jit-cache-other", "version": "0.7.4"},
+        ],
+    )
+    policy = importlib.import_module(f"{GROUP_MODULE[: -len('_group')]}_policy")
+    assert installed.installed_flashinfer_jit_cache_providers() == (
+        policy.FiJitCacheProvider(
+            "flashinfer-jit-cache-cu129",
+            "0.7.2.post1",
+            frozenset({"trtllm_mnnvl_comm"}),
+            frozenset({"sm100a", "sm103a"}),
+        ),
+        policy.FiJitCacheProvider("flashinfer-jit-cache-other", "0.7.4"),
+    )
+
+
+def test_a_prebuilt_module_in_flashinfer_itself_is_found(fi_ar, tmp_path, monkeypatch):
+    """flashinfer/data/aot/trtllm_mnnvl_comm/trtllm_mnnvl_comm.so, which
+    FlashInfer's `get_aot_artifacts` loads first."""
+    installed = importlib.import_module(INSTALLED_MODULE)
+    assert installed.installed_flashinfer_aot_module() is False
+    module = tmp_path / "flashinfer" / "data" / "aot" / "trtllm_mnnvl_comm"
+    module.mkdir(parents=True)
+    (tmp_path / "flashinfer" / "__init__.py").write_text("")
+    (module / "trtllm_mnnvl_comm.so").write_bytes(b"")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    for name in [m for m in sys.modules if m.startswith("flashinfer.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert installed.installed_flashinfer_aot_module() is True
 
 
 def _startup_line(caplog) -> str:
@@ -125,8 +173,8 @@ def test_hisparse_gets_mnnvl_on_an_installed_flashinfer_with_the_fix(
     line = _startup_line(caplog)
     assert line.startswith("FlashInfer all-reduce backend for ranks (0,): mnnvl (auto")
     assert (
-        f"the flashinfer#7782 override is retired: flashinfer-python {release} has "
-        "the fix" in line
+        "the flashinfer#7782 override is retired: the kernels of flashinfer-python "
+        f"{release} have the fix" in line
     )
 
 
@@ -141,8 +189,10 @@ def test_hisparse_on_an_installed_flashinfer_without_the_fix_names_it(
             "trtllm"
         )
     line = _startup_line(caplog)
-    assert "FlashInfer 0.7.4 fixes it: `pip install -C flashinfer=0.7.4 .`" in line
-    assert "the default stays on vLLM's tested pin, 0.7.2.post1" in line
+    assert line.endswith(
+        f"on the kernels of flashinfer-python {release} (flashinfer#7782, fixed in "
+        "FlashInfer 0.7.4; details: python -m vllm.explain_flashinfer_all_reduce))"
+    )
 
 
 @pytest.mark.parametrize("version_check", ["on", "off"])
@@ -167,8 +217,8 @@ def test_hisparse_counts_the_older_jit_cache_flashinfer_would_load(
     assert ws.backend == "trtllm"
     assert fake_ws.attempts == ["trtllm"]
     assert (
-        "flashinfer-python 0.7.4 would run the kernels of flashinfer-jit-cache "
-        f"0.7.2.post1+cu129 ({VERSION_CHECK} is set), which lack the fix" in line
+        "on the kernels of flashinfer-jit-cache 0.7.2.post1+cu129 "
+        f"({VERSION_CHECK} is set) (flashinfer#7782" in line
     )
 
 
@@ -184,23 +234,25 @@ def fi074_two_nodes(tmp_path_factory) -> list[dict[str, dict[str, Any]]]:
         flashinfer="0.7.4",
         jit_cache="0.7.2.post1+cu129",
     )
+    cases = [
+        {"name": "hisparse", "hisparse": "connector"},
+        {
+            "name": "hisparse-jit-cache-unchecked",
+            "hisparse": "connector",
+            "env": {VERSION_CHECK: "1"},
+        },
+    ]
+    return _run_group_on(site, cases, nnodes=2, ranks_per_node=1)
+
+
+def _run_group_on(site, cases, **shape) -> list[dict[str, dict[str, Any]]]:
+    """`run_group` with the synthetic FlashInfer at `site` first on
+    PYTHONPATH and FlashInfer's version check on unless a case says."""
     path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", path)
         patch.delenv(VERSION_CHECK, raising=False)
-        return run_group(
-            [
-                {"name": "hisparse", "hisparse": "connector"},
-                {
-                    "name": "hisparse-jit-cache-unchecked",
-                    "hisparse": "connector",
-                    "env": {VERSION_CHECK: "1"},
-                },
-            ],
-            nnodes=2,
-            ranks_per_node=1,
-            timeout=120,
-        )
+        return run_group(cases, timeout=120, **shape)
 
 
 def test_hisparse_multi_node_blackwell_gets_mnnvl_on_flashinfer_0_7_4(
@@ -211,7 +263,10 @@ def test_hisparse_multi_node_blackwell_gets_mnnvl_on_flashinfer_0_7_4(
         assert not r["standalone_disabled"]
         [line] = [m for m in r["messages"] if "all-reduce backend for" in m]
         assert ": mnnvl (auto, 2 nodes on Blackwell" in line
-        assert "override is retired: flashinfer-python 0.7.4 has the fix" in line
+        assert (
+            "override is retired: the kernels of flashinfer-python 0.7.4 have the fix"
+            in line
+        )
 
 
 def test_hisparse_multi_node_stays_off_on_an_older_jit_cache(
@@ -223,6 +278,67 @@ def test_hisparse_multi_node_stays_off_on_an_older_jit_cache(
         [line] = [m for m in r["messages"] if "all-reduce backend for" in m]
         assert ": off (auto, HiSparse is on" in line
         assert "flashinfer-jit-cache 0.7.2.post1+cu129" in line
+
+
+# A 0.7.4 shim listing a 0.7.2.post1 provider of the MNNVL module for SM100.
+OLDER_PROVIDER = {
+    "distribution": "flashinfer-jit-cache-cu129",
+    "version": "0.7.2.post1",
+    "modules": ["trtllm_mnnvl_comm"],
+    "cuda_architectures": ["sm100a"],
+}
+
+
+@pytest.fixture(scope="module")
+def fi074_older_provider(tmp_path_factory) -> list[dict[str, dict[str, Any]]]:
+    """Two ranks of one node with flashinfer-python 0.7.4, a 0.7.4
+    jit-cache shim and a 0.7.2.post1 provider (synthetic, first on
+    PYTHONPATH); each case is a new group."""
+    site = write_synthetic_flashinfer(
+        tmp_path_factory.mktemp("fi074-provider") / "site",
+        flashinfer="0.7.4",
+        jit_cache="0.7.4",
+        providers=[OLDER_PROVIDER],
+    )
+    cases = [
+        {"name": "checked", "hisparse": "connector"},
+        {"name": "unchecked", "hisparse": "connector", "env": {VERSION_CHECK: "1"}},
+        {
+            "name": "check-differs",
+            "hisparse": "connector",
+            "per_rank": {"1": {"env": {VERSION_CHECK: "1"}}},
+        },
+    ]
+    return _run_group_on(site, cases, nnodes=1, ranks_per_node=2)
+
+
+def test_hisparse_counts_the_provider_whose_kernels_run(fi074_older_provider):
+    """Unchecked, FlashInfer loads the 0.7.2.post1 provider's racy MNNVL
+    kernel: trtllm, and the line names that provider; checked, FlashInfer
+    ignores it and 0.7.4's own kernels run."""
+    for r in every_rank(fi074_older_provider, "unchecked"):
+        assert r["workspace"] == r["quant"] == "trtllm"
+        [line] = [m for m in r["messages"] if "all-reduce backend for" in m]
+        assert "retired" not in line
+        assert (
+            "mnnvl crashes with HiSparse on the kernels of flashinfer-jit-cache-cu129 "
+            f"0.7.2.post1 ({VERSION_CHECK} is set) (flashinfer#7782" in line
+        )
+    for r in every_rank(fi074_older_provider, "checked"):
+        assert r["workspace"] == r["quant"] == "mnnvl"
+
+
+def test_disagreement_names_every_input_the_ranks_compare(fi074_older_provider):
+    """Ranks apart only in FLASHINFER_DISABLE_VERSION_CHECK: off, and the
+    line names each input that can set them apart."""
+    for r in every_rank(fi074_older_provider, "check-differs"):
+        assert r["workspace"] is None and r["quant"] is None
+        [line] = [m for m in r["messages"] if m.startswith("ERROR")]
+        assert line.endswith(
+            f"Make these the same on every node: {ENV}, the HiSparse config, the "
+            "GPU, the flashinfer-python release, the flashinfer-jit-cache release "
+            f"and its providers' releases, and whether {VERSION_CHECK} is set."
+        )
 
 
 def test_flashinfer_auto_backend_hisparse_off_without_current_config(
@@ -329,7 +445,7 @@ def test_flashinfer_auto_backend_ranks_that_disagree_turn_it_off(uneven_ranks, c
 
 def _views(line: str) -> list[str]:
     """Each rank's view, in rank order, from the disagreement error."""
-    views = line[line.index("(rank 0: ") + 1 : line.index("). Set")]
+    views = line[line.index("(rank 0: ") + 1 : line.index("). Make")]
     return [view.split(": ", 1)[1] for view in views.split(", rank ")]
 
 

@@ -105,9 +105,9 @@ def test_hisparse_override_is_retired_on_the_release_with_the_fix(
         assert decision.backend == "mnnvl"
         assert decision.known_issue is None
         assert decision.reason.startswith(without_hisparse.reason + "; ")
-        assert (
-            f"the flashinfer#7782 override is retired: flashinfer-python {release} "
-            "has the fix (0.7.4 and newer: " in decision.reason
+        assert decision.reason.endswith(
+            "; the flashinfer#7782 override is retired: the kernels of "
+            f"flashinfer-python {release} have the fix (FlashInfer 0.7.4 and newer)"
         )
     else:
         assert decision.backend == ("trtllm" if node_count == 1 else None)
@@ -115,27 +115,50 @@ def test_hisparse_override_is_retired_on_the_release_with_the_fix(
         assert "retired" not in decision.reason
 
 
+# The reason line, at most this long: one log line an operator reads.
+REASON_LINE_LIMIT = 300
+
+
 @pytest.mark.parametrize("setting", ["auto", "mnnvl"])
 @pytest.mark.parametrize("node_count", [1, 2])
-def test_hisparse_on_flashinfer_without_the_fix_names_the_fix(
+def test_hisparse_on_flashinfer_without_the_fix_is_one_short_line(
     policy, setting, node_count
 ):
-    """The line says which release fixes the race and how to install this
-    build with it, and that the default stays on vLLM's tested pin."""
+    """The line names the package whose kernels run, the issue and the
+    release that fixes it, and points to explain for the rest; it never
+    offers the crashing setting as a way out."""
     decision = policy.decide_fi_ar_backend(
         _inputs(policy, setting=setting, hisparse=True, node_count=node_count)
     )
     assert decision.known_issue == "flashinfer#7782"
-    command = policy.FIXED_FLASHINFER_INSTALL_COMMAND
-    assert command == "pip install -C flashinfer=0.7.4 ."
-    assert (
-        "FlashInfer 0.7.4 fixes it: `pip install -C flashinfer=0.7.4 .` in this "
-        "build's source tree installs this build with it; the default stays on "
-        "vLLM's tested pin, 0.7.2.post1" in decision.reason
-    )
     assert "\n" not in decision.reason
+    assert len(decision.reason) <= REASON_LINE_LIMIT
+    assert decision.reason.endswith(
+        "mnnvl crashes with HiSparse on the kernels of flashinfer-python "
+        "0.7.2.post1 (flashinfer#7782, fixed in FlashInfer 0.7.4; details: "
+        "python -m vllm.explain_flashinfer_all_reduce)"
+    )
+    assert "to override" not in decision.reason
+    assert "source tree" not in decision.reason
+
+
+@pytest.mark.parametrize("setting", ["auto", "mnnvl"])
+def test_the_detail_says_how_to_get_the_fix_from_a_tree_or_an_sdist(policy, setting):
+    """What the line leaves out, for explain: the fix from a source tree
+    or for an image built from the sdist, and an override that says it is
+    the crashing one."""
+    inputs = _inputs(policy, setting=setting, hisparse=True)
+    detail = policy.known_issue_detail(inputs, policy.decide_fi_ar_backend(inputs))
+    assert detail["kernels"] == "flashinfer-python 0.7.2.post1"
+    assert "`pip install -C flashinfer=0.7.4 .`" in detail["get_fix"]
+    assert "`python -m build --sdist -C flashinfer=0.7.4`" in detail["get_fix"]
+    assert "https://github.com/flashinfer-ai/flashinfer/issues/7782" in detail["links"]
     if setting == "auto":
-        assert decision.reason.endswith(f"Set {ENV}=mnnvl to override")
+        assert detail["override"] == (
+            f"{ENV}=mnnvl forces mnnvl, the backend that crashes with HiSparse here"
+        )
+    else:
+        assert detail["override"].startswith(f"unset {ENV}")
 
 
 def test_explicit_mnnvl_with_hisparse_is_no_risk_on_the_fixed_release(policy):
@@ -153,39 +176,48 @@ def test_the_flashinfer_7782_entry_says_where_its_fix_is(policy):
     assert "LamportFlags::ctaArrive()" in issue.fix
 
 
-JIT_CACHE_NOTE = (
-    "flashinfer-python {installed} would run the kernels of flashinfer-jit-cache "
-    "{jit_cache} (FLASHINFER_DISABLE_VERSION_CHECK is set)"
-)
+UNCHECKED = "(FLASHINFER_DISABLE_VERSION_CHECK is set)"
 
 
 @pytest.mark.parametrize(
-    ("installed", "jit_cache", "version_check", "counted"),
+    ("installed", "jit_cache", "version_check", "counted", "package"),
     [
-        ("0.7.4", None, True, "0.7.4"),
-        ("0.7.4", None, False, "0.7.4"),
+        ("0.7.4", None, True, "0.7.4", "flashinfer-python 0.7.4"),
+        ("0.7.4", None, False, "0.7.4", "flashinfer-python 0.7.4"),
         # FlashInfer ignores a jit-cache of another release...
-        ("0.7.4", "0.7.2.post1+cu129", True, "0.7.4"),
+        ("0.7.4", "0.7.2.post1+cu129", True, "0.7.4", "flashinfer-python 0.7.4"),
         # ...unless its version check is off: then the older release counts.
-        ("0.7.4", "0.7.2.post1+cu129", False, "0.7.2.post1+cu129"),
-        ("0.8.0", "0.7.4+cu130", False, "0.7.4+cu130"),
-        ("0.7.2.post1", "0.7.4+cu129", False, "0.7.2.post1"),
+        (
+            "0.7.4",
+            "0.7.2.post1+cu129",
+            False,
+            "0.7.2.post1+cu129",
+            f"flashinfer-jit-cache 0.7.2.post1+cu129 {UNCHECKED}",
+        ),
+        (
+            "0.8.0",
+            "0.7.4+cu130",
+            False,
+            "0.7.4+cu130",
+            f"flashinfer-jit-cache 0.7.4+cu130 {UNCHECKED}",
+        ),
+        ("0.7.2.post1", "0.7.4+cu129", False, "0.7.2.post1", None),
         # Its own release, a CUDA suffix added, is the same kernels.
-        ("0.7.4", "0.7.4+cu129", False, "0.7.4"),
-        ("0.7.4", "0.7.4", False, "0.7.4"),
+        ("0.7.4", "0.7.4+cu129", True, "0.7.4+cu129", None),
+        ("0.7.4", "0.7.4", False, "0.7.4", None),
         # PEP 440 reads these as one release: it is not another.
-        ("0.7.4", "0.7.4.0", False, "0.7.4"),
+        ("0.7.4", "0.7.4.0", False, "0.7.4.0", None),
         # A release nobody can read is never taken for a fix...
-        ("0.7.4", "local-build", False, "local-build"),
-        ("local-build", "0.7.4+cu129", False, "local-build"),
-        (None, "0.7.4+cu129", False, None),
+        ("0.7.4", "local-build", False, "local-build", None),
+        ("local-build", "0.7.4+cu129", False, "local-build", None),
+        (None, "0.7.4+cu129", False, None, "flashinfer-python (not installed)"),
         # ...but FlashInfer's own test still tells its own jit-cache apart.
-        ("local-build", "local-build", False, "local-build"),
-        ("local-build", "local-build+cu129", False, "local-build"),
+        ("local-build", "local-build", False, "local-build", None),
+        ("local-build", "local-build+cu129", False, "local-build+cu129", None),
     ],
 )
 def test_kernel_release_is_the_one_whose_kernels_will_run(
-    policy, installed, jit_cache, version_check, counted
+    policy, installed, jit_cache, version_check, counted, package
 ):
     inputs = _inputs(
         policy,
@@ -193,12 +225,10 @@ def test_kernel_release_is_the_one_whose_kernels_will_run(
         flashinfer_jit_cache_version=jit_cache,
         flashinfer_version_check=version_check,
     )
-    release, note = policy.kernel_release(inputs)
+    release, named = policy.kernel_release(inputs)
     assert release == counted
-    if counted == installed:
-        assert note is None
-    else:
-        assert note == JIT_CACHE_NOTE.format(installed=installed, jit_cache=jit_cache)
+    if package is not None:
+        assert named == package
 
 
 def test_flashinfer_checks_the_jit_cache_version_unless_told_otherwise(policy):
@@ -210,8 +240,106 @@ def test_flashinfer_checks_the_jit_cache_version_unless_told_otherwise(policy):
         flashinfer_version="0.7.4",
         flashinfer_jit_cache_version="0.7.2.post1+cu129",
     )
-    assert policy.kernel_release(inputs) == ("0.7.4", None)
+    assert policy.kernel_release(inputs) == ("0.7.4", "flashinfer-python 0.7.4")
     assert policy.decide_fi_ar_backend(inputs).backend == "mnnvl"
+
+
+def _provider(policy, version, modules=None, targets=None, name="fi-jit-cache-cu129"):
+    return policy.FiJitCacheProvider(
+        distribution=name,
+        version=version,
+        modules=None if modules is None else frozenset(modules),
+        cuda_architectures=None if targets is None else frozenset(targets),
+    )
+
+
+MNNVL = "trtllm_mnnvl_comm"
+
+
+@pytest.mark.parametrize(
+    ("version_check", "shim", "provider", "counted"),
+    [
+        # The case FlashInfer loads the racy kernel in: a 0.7.4 shim lists a
+        # 0.7.2.post1 provider and the check is off.
+        (False, "0.7.4", ("0.7.2.post1", [MNNVL], ["sm100a"]), "0.7.2.post1"),
+        # Checked, FlashInfer ignores that provider (not the shim's version).
+        (True, "0.7.4", ("0.7.2.post1", [MNNVL], ["sm100a"]), "0.7.4"),
+        # A provider without the MNNVL module, or not for this GPU, serves
+        # none of its kernels.
+        (False, "0.7.4", ("0.7.2.post1", ["other_module"], ["sm100a"]), "0.7.4"),
+        (False, "0.7.4", ("0.7.2.post1", [MNNVL], ["sm90a"]), "0.7.4"),
+        (False, "0.7.4", ("0.7.2.post1", [MNNVL], ["sm103a"]), "0.7.4"),
+        # A family or plain target runs on later minors of its major.
+        (False, "0.7.4", ("0.7.2.post1", [MNNVL], ["sm100f"]), "0.7.2.post1"),
+        (False, "0.7.4", ("0.7.2.post1", [MNNVL], ["sm100"]), "0.7.2.post1"),
+        # A provider that does not say what it holds counts.
+        (False, "0.7.4", ("0.7.2.post1", None, None), "0.7.2.post1"),
+        # Checked, a provider of the shim's own release counts as that release.
+        (True, "0.7.4+cu129", ("0.7.4+cu129", [MNNVL], ["sm100a"]), "0.7.4+cu129"),
+    ],
+)
+def test_kernel_release_counts_the_providers_the_shim_lists(
+    policy, version_check, shim, provider, counted
+):
+    """FlashInfer's rules (`_get_aot_providers`, `get_aot_artifacts` in
+    flashinfer/jit/env.py), with the GPU an SM100."""
+    inputs = _inputs(
+        policy,
+        hisparse=True,
+        flashinfer_version="0.7.4",
+        flashinfer_jit_cache_version=shim,
+        flashinfer_version_check=version_check,
+        flashinfer_jit_cache_providers=(_provider(policy, *provider),),
+    )
+    release, _ = policy.kernel_release(inputs)
+    assert release == counted
+    racy = counted == "0.7.2.post1"
+    assert policy.decide_fi_ar_backend(inputs).backend == (
+        "trtllm" if racy else "mnnvl"
+    )
+
+
+def test_the_reason_line_names_the_provider_whose_kernels_run(policy):
+    """A 0.7.4 shim with a 0.7.2.post1 provider and the check off: not
+    "retired", but the provider's kernels, named."""
+    inputs = _inputs(
+        policy,
+        hisparse=True,
+        flashinfer_version="0.7.4",
+        flashinfer_jit_cache_version="0.7.4",
+        flashinfer_version_check=False,
+        flashinfer_jit_cache_providers=(
+            _provider(policy, "0.7.4", [MNNVL], ["sm100a"], name="fi-jit-cache-a"),
+            _provider(policy, "0.7.2.post1", [MNNVL], ["sm100a"]),
+        ),
+    )
+    decision = policy.decide_fi_ar_backend(inputs)
+    assert decision.backend == "trtllm"
+    assert "retired" not in decision.reason
+    assert (
+        "mnnvl crashes with HiSparse on the kernels of fi-jit-cache-cu129 "
+        f"0.7.2.post1 {UNCHECKED} (flashinfer#7782" in decision.reason
+    )
+    detail = policy.known_issue_detail(inputs, decision)
+    assert detail["get_fix"].startswith(
+        "flashinfer-python 0.7.4 has the fix, but FlashInfer loads the kernels of "
+        "fi-jit-cache-cu129 0.7.2.post1"
+    )
+    assert "unset FLASHINFER_DISABLE_VERSION_CHECK" in detail["get_fix"]
+
+
+def test_a_prebuilt_module_in_flashinfer_itself_is_never_a_fix(policy):
+    """`get_aot_artifacts` loads flashinfer/data/aot first, unchecked."""
+    inputs = _inputs(
+        policy, hisparse=True, flashinfer_version="0.8.0", flashinfer_aot_module=True
+    )
+    release, package = policy.kernel_release(inputs)
+    assert release is None
+    assert "flashinfer/data/aot/trtllm_mnnvl_comm" in package
+    decision = policy.decide_fi_ar_backend(inputs)
+    assert decision.backend == "trtllm" and "retired" not in decision.reason
+    detail = policy.known_issue_detail(inputs, decision)
+    assert detail["get_fix"].startswith("remove flashinfer/data/aot/trtllm_mnnvl_comm")
 
 
 @pytest.mark.parametrize("node_count", [1, 2])
@@ -231,15 +359,12 @@ def test_hisparse_override_stays_for_an_older_jit_cache_flashinfer_loads(
     decision = policy.decide_fi_ar_backend(inputs)
     assert decision.backend == ("trtllm" if node_count == 1 else None)
     assert decision.known_issue == "flashinfer#7782"
-    note = JIT_CACHE_NOTE.format(installed="0.7.4", jit_cache="0.7.2.post1+cu129")
-    assert (
-        f"{note}, which lack the fix of 0.7.4: unset FLASHINFER_DISABLE_VERSION_CHECK"
-        in decision.reason
-    )
+    package = f"flashinfer-jit-cache 0.7.2.post1+cu129 {UNCHECKED}"
+    assert f"on the kernels of {package} (flashinfer#7782" in decision.reason
     assert "pip install" not in decision.reason
     explicit = policy.decide_fi_ar_backend(dataclasses.replace(inputs, setting="mnnvl"))
     assert explicit.known_issue == "flashinfer#7782"
-    assert note in explicit.reason
+    assert package in explicit.reason
     # The same jit-cache, checked, is ignored: 0.7.4's own kernels run.
     checked = policy.decide_fi_ar_backend(
         dataclasses.replace(inputs, flashinfer_version_check=True)
@@ -258,8 +383,10 @@ def test_retired_by_a_jit_cache_says_whose_kernels_have_the_fix(policy):
         )
     )
     assert decision.backend == "mnnvl"
-    note = JIT_CACHE_NOTE.format(installed="0.8.0", jit_cache="0.7.4+cu130")
-    assert f"override is retired: {note}, which have the fix (0.7.4" in decision.reason
+    assert (
+        "override is retired: the kernels of flashinfer-jit-cache 0.7.4+cu130 "
+        f"{UNCHECKED} have the fix (FlashInfer 0.7.4" in decision.reason
+    )
 
 
 @pytest.mark.parametrize("installed", ["local-build", "0.7.2-dirty-abc", ""])
@@ -289,7 +416,10 @@ def test_hisparse_override_retirement_is_logged(
     [line] = [r.getMessage() for r in caplog.records if "backend for" in r.getMessage()]
     assert ("retired" in line) is fixed
     if fixed:
-        assert f"flashinfer-python {installed} has the fix ({fixed_in} and" in line
+        assert (
+            f"the kernels of flashinfer-python {installed} have the fix "
+            f"(FlashInfer {fixed_in} and newer)" in line
+        )
 
 
 def test_retired_hisparse_override_still_falls_back_without_multicast(
@@ -311,6 +441,7 @@ def test_a_new_known_issue_needs_no_decision_change(policy):
         summary="a made-up trtllm bug on SM90",
         links=(),
         trigger="the GPU is SM90",
+        effect="hangs on SM90",
         applies=lambda inputs: inputs.device_capability == 90,
         unsafe_backend="trtllm",
         single_node_backend=None,
@@ -334,6 +465,7 @@ def test_every_known_issue_is_checked_past_one_that_does_not_count(policy):
             summary=f"made-up mnnvl bug {name}",
             links=(),
             trigger="always",
+            effect="crashes",
             applies=applies,
             unsafe_backend="mnnvl",
             single_node_backend="trtllm",

@@ -422,13 +422,14 @@ def test_real_tree_uses_only_names_the_installed_vllm_has() -> None:
     assert scan.problems == []
     found = {(Path(c.path).name, c.name, c.kind) for c in scan.couplings}
     group = "flashinfer_all_reduce_group.py"
-    explain = "flashinfer_all_reduce_explain.py"
+    explain = "flashinfer_all_reduce_deployment.py"
     factory = "vllm.distributed.kv_transfer.kv_connector.factory.KVConnectorFactory"
     assert {
         (group, "vllm.distributed.parallel_state._node_count", "function"),
         (group, "vllm.config.get_current_vllm_config_or_none", "function"),
         (explain, "vllm.engine.arg_utils.get_kwargs", "function"),
-        (explain, f"{factory}._registry", "class attribute"),
+        (explain, "vllm.envs.VLLM_ALLREDUCE_USE_FLASHINFER", "name"),
+        (explain, "vllm.envs.VLLM_BATCH_INVARIANT", "name"),
         (explain, f"{factory}.supports_hma_config", "method"),
         (
             explain,

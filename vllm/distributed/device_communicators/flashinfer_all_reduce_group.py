@@ -15,10 +15,7 @@ run and voted on by flashinfer_all_reduce_creation.
 
 import dataclasses
 import importlib
-import importlib.util
-import os
 import weakref
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 import torch.distributed as dist
@@ -31,6 +28,9 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import
     gather_details,
     mark_prepared,
     prepare_backend,
+)
+from vllm.distributed.device_communicators.flashinfer_all_reduce_installed import (
+    installed_kernel_inputs,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FI_AR_BACKEND_ENV,
@@ -74,8 +74,6 @@ _NOT_PREPARED = 16
 # 0.7.2.post1 and 0.7.4), with which 0.7.2.post1's handle exchange picks
 # fabric handles or local file descriptors (`make_handle_exchanger`).
 FLASHINFER_FABRIC_PROBE = ("flashinfer.comm.mnnvl", "is_mnnvl_fabric_supported")
-# The module of FlashInfer's prebuilt kernels (the flashinfer-jit-cache shim).
-FLASHINFER_JIT_CACHE_MODULE = "flashinfer_jit_cache"
 
 
 def group_node_count(group: ProcessGroup) -> int:
@@ -97,44 +95,6 @@ def hisparse_enabled() -> bool:
     """
     config = get_current_vllm_config_or_none()
     return config is not None and config.attention_config.hisparse_config is not None
-
-
-def installed_flashinfer_version() -> str | None:
-    """The flashinfer-python release, whose kernels run unless a
-    flashinfer-jit-cache of another release stands in for them."""
-    try:
-        return version("flashinfer-python")
-    except PackageNotFoundError:
-        return None
-
-
-def installed_flashinfer_jit_cache_version() -> str | None:
-    """The flashinfer-jit-cache release FlashInfer may load kernels from.
-
-    Found and read as FlashInfer's loader does (`_get_aot_providers` in
-    flashinfer/jit/env.py): the `__version__` of an importable
-    `flashinfer_jit_cache` module, not the distribution's metadata. One that
-    fails to import fails FlashInfer's own import too, so none of its
-    kernels run.
-    """
-    try:
-        if importlib.util.find_spec(FLASHINFER_JIT_CACHE_MODULE) is None:
-            return None
-        jit_cache = importlib.import_module(FLASHINFER_JIT_CACHE_MODULE)
-    except Exception:
-        return None
-    jit_cache_version = getattr(jit_cache, "__version__", None)
-    return None if jit_cache_version is None else str(jit_cache_version)
-
-
-def flashinfer_version_check() -> bool:
-    """Whether FlashInfer refuses a flashinfer-jit-cache of another release.
-
-    FlashInfer's own variable, so read as FlashInfer reads it rather than
-    through vllm.envs: `os.getenv`, where any non-empty value (also "0")
-    turns the check off.
-    """
-    return not os.getenv(FLASHINFER_VERSION_CHECK_ENV)
 
 
 def device_capability() -> int | None:
@@ -172,9 +132,7 @@ def _decide_for_group(
         node_count=group_node_count(group),
         device_capability=device_capability(),
         hisparse=hisparse_enabled(),
-        flashinfer_version=installed_flashinfer_version(),
-        flashinfer_jit_cache_version=installed_flashinfer_jit_cache_version(),
-        flashinfer_version_check=flashinfer_version_check(),
+        **installed_kernel_inputs(),
     )
     decision = decide_fi_ar_backend(inputs)
     if decision.known_issue is not None and setting != "auto":
@@ -248,11 +206,14 @@ def _agree_on_backend(
         )
         logger.error_once(
             "FlashInfer all-reduce is off for ranks %s: they chose different "
-            "backends (%s). Set %s and the HiSparse config the same on every "
-            "node.",
+            "backends (%s). Make these the same on every node: %s, the HiSparse "
+            "config, the GPU, the flashinfer-python release, the "
+            "flashinfer-jit-cache release and its providers' releases, and "
+            "whether %s is set.",
             ranks,
             views,
             FI_AR_BACKEND_ENV,
+            FLASHINFER_VERSION_CHECK_ENV,
         )
         return None, False
     no_fabric = [

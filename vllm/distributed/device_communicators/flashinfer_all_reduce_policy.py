@@ -10,8 +10,10 @@ tested and explained without GPUs or process groups. FlashInfer bugs that
 once the FlashInfer kernels that will run carry its fix (`kernel_release`).
 """
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
@@ -22,12 +24,74 @@ MNNVL_MULTI_NODE_MIN_CAPABILITY = 100
 # FlashInfer's own variable: set to anything non-empty, FlashInfer loads a
 # flashinfer-jit-cache of another release (flashinfer/jit/env.py).
 FLASHINFER_VERSION_CHECK_ENV = "FLASHINFER_DISABLE_VERSION_CHECK"
+# FlashInfer's module of the MNNVL all-reduce kernels
+# (`gen_trtllm_mnnvl_comm_module` in flashinfer/jit/comm.py).
+MNNVL_KERNEL_MODULE = "trtllm_mnnvl_comm"
+# The version a flashinfer-python installed from a source checkout reports;
+# FlashInfer checks no jit-cache against it (flashinfer/jit/env.py).
+FLASHINFER_SOURCE_VERSION = "0.0.0+unknown"
+# The kernels' package where flashinfer-python is not installed.
+NO_FLASHINFER = "flashinfer-python (not installed)"
+# The command that explains the choice in full, named by the reason line.
+EXPLAIN_COMMAND = "python -m vllm.explain_flashinfer_all_reduce"
 # The flashinfer-python that vllm 0.33.0 requires (its wheel's Requires-Dist)
 # and was tested with.
 VLLM_PINNED_FLASHINFER = "0.7.2.post1"
 # Installs this build with a FlashInfer that has the MNNVL fix, run in this
 # build's source tree.
 FIXED_FLASHINFER_INSTALL_COMMAND = "pip install -C flashinfer=0.7.4 ."
+# Makes the sdist of that build, for an image built from the sdist (README).
+FIXED_FLASHINFER_SDIST_COMMAND = "python -m build --sdist -C flashinfer=0.7.4"
+
+
+@dataclass(frozen=True)
+class FiJitCacheProvider:
+    """A package of FlashInfer's prebuilt kernels, as the jit-cache shim
+    lists it (`get_jit_cache_providers()`, read by `_get_aot_providers` in
+    flashinfer/jit/env.py)."""
+
+    distribution: str
+    version: str
+    modules: frozenset[str] | None = None
+    """The kernel modules it holds; None where the shim does not say."""
+    cuda_architectures: frozenset[str] | None = None
+    """The CUDA targets it was built for (sm90a, sm100f, ...); None where
+    the shim does not say."""
+
+    def holds(self, module: str, device_capability: int | None) -> bool:
+        """Whether FlashInfer could load `module` from here on this GPU.
+
+        What the provider does not say, and a GPU that is not known, count
+        as held: a provider is never left out of the count on a guess.
+        """
+        if self.modules is not None and module not in self.modules:
+            return False
+        if self.cuda_architectures is None or device_capability is None:
+            return True
+        return any(
+            _runs_on(target, device_capability) for target in self.cuda_architectures
+        )
+
+
+_CUDA_TARGET = re.compile(r"sm(\d{1,2})(\d)([af]?)")
+
+
+def _runs_on(target: str, device_capability: int) -> bool:
+    """Whether kernels built for CUDA `target` run on this GPU.
+
+    FlashInfer's rule (`cuda_binary_target_compatibility_score` in
+    flashinfer/jit/_cuda_architecture.py): an `a` target needs the exact
+    compute capability; a plain or `f` target runs on the same major at
+    the same or a later minor. A target it cannot read is kept.
+    """
+    match = _CUDA_TARGET.fullmatch(target)
+    if match is None:
+        return True
+    major, minor, suffix = int(match[1]), int(match[2]), match[3]
+    device_major, device_minor = divmod(device_capability, 10)
+    if suffix == "a":
+        return (major, minor) == (device_major, device_minor)
+    return major == device_major and minor <= device_minor
 
 
 @dataclass(frozen=True)
@@ -53,6 +117,11 @@ class FiArBackendInputs:
     flashinfer_version_check: bool = True
     """Whether FlashInfer refuses a flashinfer-jit-cache of another release;
     False while FLASHINFER_DISABLE_VERSION_CHECK is set."""
+    flashinfer_jit_cache_providers: tuple[FiJitCacheProvider, ...] = ()
+    """The kernel packages the jit-cache shim lists."""
+    flashinfer_aot_module: bool = False
+    """Whether flashinfer-python's own flashinfer/data/aot holds a prebuilt
+    MNNVL module, which FlashInfer loads before any other, unchecked."""
     fabric: bool | None = None
     """Whether every rank of a multi-node group has an NVLink fabric
     (FlashInfer's `is_mnnvl_fabric_supported`); None while unknown. Start-up
@@ -87,6 +156,8 @@ class FiArKnownIssue:
     links: tuple[str, ...]
     trigger: str
     """When it fires, in words."""
+    effect: str
+    """What the unsafe backend does then, in a few words for a log line."""
     applies: Callable[[FiArBackendInputs], bool]
     """The trigger condition, on the decision inputs."""
     unsafe_backend: str
@@ -95,13 +166,14 @@ class FiArKnownIssue:
     multi_node_backend: str | None
     """What `auto` uses instead on a multi-node group (None: off)."""
     replacement_note: str
-    """Why those replacements, for the reason line."""
+    """Why a group gets no replacement, for the reason line."""
     fixed_in: str | None
     """First flashinfer-python release with the fix; None while unreleased."""
     fix: str | None = None
     """Where the fix is in that release, for the line saying it is retired."""
     get_fix: str | None = None
-    """How to install this build with the fix, while it runs without."""
+    """How to install this build with the fix, while it runs without, in
+    full: explain and the docs show it, the log line points to them."""
 
     def is_fixed(self, flashinfer_version: str | None) -> bool:
         """Whether FlashInfer `flashinfer_version` already carries the fix."""
@@ -132,20 +204,24 @@ FI_AR_KNOWN_ISSUES: tuple[FiArKnownIssue, ...] = (
             "https://github.com/vllm-project/vllm/issues/64327",
         ),
         trigger="HiSparse is on",
+        effect="crashes with HiSparse",
         applies=lambda inputs: inputs.hisparse,
         unsafe_backend="mnnvl",
         single_node_backend="trtllm",
         multi_node_backend=None,
-        replacement_note="trtllm has no such race but cannot span nodes",
+        replacement_note="trtllm cannot span nodes",
         fixed_in="0.7.4",
         # flashinfer/data/include/flashinfer/comm/trtllm_mnnvl_allreduce.cuh
         # in the flashinfer-python 0.7.4 wheel; 0.7.2.post1 waits on warp 0
         # of block 0 only.
         fix="every thread waits at the cluster barrier in LamportFlags::ctaArrive()",
         get_fix=(
-            f"`{FIXED_FLASHINFER_INSTALL_COMMAND}` in this build's source tree "
-            "installs this build with it; the default stays on vLLM's tested "
-            f"pin, {VLLM_PINNED_FLASHINFER}"
+            f"install this build on FlashInfer 0.7.4: from its source tree, "
+            f"`{FIXED_FLASHINFER_INSTALL_COMMAND}`; for an image built from its "
+            f"sdist, make the sdist with `{FIXED_FLASHINFER_SDIST_COMMAND}` in "
+            "the source tree and build the image from the .fi074 sdist it makes "
+            "(README: FlashInfer 0.7.4, the release with the fix). The default "
+            f"stays on vLLM's tested pin, {VLLM_PINNED_FLASHINFER}"
         ),
     ),
 )
@@ -162,6 +238,15 @@ def _same_release(jit_cache_version: str, flashinfer_version: str) -> bool:
     )
 
 
+def _same_kernels(first: str, second: str) -> bool:
+    """Whether two packages' versions name one release: PEP 440 equal but
+    for a local suffix (0.7.4+cu129, 0.7.4.0), or FlashInfer's own test."""
+    try:
+        return Version(first).public == Version(second).public
+    except InvalidVersion:
+        return _same_release(first, second) or _same_release(second, first)
+
+
 def _older(first: str, second: str) -> str:
     """The older of two releases; one that cannot be read counts as older,
     so that it is never taken for a fix."""
@@ -173,48 +258,88 @@ def _older(first: str, second: str) -> str:
     return first if Version(first) < Version(second) else second
 
 
-def kernel_release(inputs: FiArBackendInputs) -> tuple[str | None, str | None]:
-    """The FlashInfer release whose all-reduce kernels will run, and a note
-    when that is not the installed flashinfer-python's.
+def _accepted(inputs: FiArBackendInputs) -> list[tuple[str, str]]:
+    """The jit-cache packages FlashInfer would take MNNVL kernels from, as
+    (release, package) pairs, providers first; [] when it builds its own.
 
-    FlashInfer loads its all-reduce modules (the MNNVL one is
-    `trtllm_mnnvl_comm`) prebuilt from flashinfer-jit-cache when that is its
-    own release, or of any release while FLASHINFER_DISABLE_VERSION_CHECK is
-    set; otherwise it builds them from flashinfer-python's own source
-    (`_get_aot_providers` in flashinfer/jit/env.py). A jit-cache of another
-    release is used only if it has the module for this GPU, so the older of
-    the two releases is the one that counts.
+    FlashInfer's rules (`_get_aot_providers` and
+    `_check_jit_cache_provider_version` in flashinfer/jit/env.py): the shim
+    must be of flashinfer-python's release, and each provider of the shim's
+    own version, unless FLASHINFER_DISABLE_VERSION_CHECK is set; a provider
+    serves the module only where it holds it for this GPU
+    (`get_aot_artifacts`). An accepted shim counts whatever it lists: this
+    build takes no package FlashInfer loads for a fix on a guess.
+    """
+    installed, shim = inputs.flashinfer_version, inputs.flashinfer_jit_cache_version
+    if installed is None or shim is None:
+        return []
+    check = inputs.flashinfer_version_check and installed != FLASHINFER_SOURCE_VERSION
+    if check and not _same_release(shim, installed):
+        return []
+    providers = [
+        (provider.version, f"{provider.distribution} {provider.version}")
+        for provider in inputs.flashinfer_jit_cache_providers
+        if not (
+            check
+            and (
+                not _same_release(provider.version, installed)
+                or provider.version != shim
+            )
+        )
+        and provider.holds(MNNVL_KERNEL_MODULE, inputs.device_capability)
+    ]
+    return [*providers, (shim, f"flashinfer-jit-cache {shim}")]
+
+
+def kernel_release(inputs: FiArBackendInputs) -> tuple[str | None, str]:
+    """The FlashInfer release whose MNNVL all-reduce kernels will run, and
+    the package they are counted from, for the reason line.
+
+    The release is the oldest of flashinfer-python and every jit-cache
+    package FlashInfer would load the module from (`_accepted`). A module
+    under flashinfer/data/aot is loaded first and unchecked
+    (`get_aot_artifacts` in flashinfer/jit/env.py); no release of it can be
+    read, so the release is None, which no known issue counts as fixed.
     """
     installed = inputs.flashinfer_version
-    jit_cache = inputs.flashinfer_jit_cache_version
-    if (
-        installed is None
-        or jit_cache is None
-        or inputs.flashinfer_version_check
-        or _same_release(jit_cache, installed)
-        or _older(jit_cache, installed) == installed
-    ):
-        return installed, None
-    return jit_cache, (
-        f"flashinfer-python {installed} would run the kernels of "
-        f"flashinfer-jit-cache {jit_cache} ({FLASHINFER_VERSION_CHECK_ENV} is set)"
-    )
+    if installed is None:
+        return None, NO_FLASHINFER
+    if inputs.flashinfer_aot_module:
+        return None, (
+            f"flashinfer-python {installed}'s flashinfer/data/aot/"
+            f"{MNNVL_KERNEL_MODULE} (prebuilt, of no known release)"
+        )
+    own = (installed, f"flashinfer-python {installed}")
+    accepted = _accepted(inputs)
+    release, package = (accepted or [own])[0]
+    for other, name in [*accepted[1:], own]:
+        if not _same_kernels(other, release) and _older(other, release) == other:
+            release, package = other, name
+    if accepted and not inputs.flashinfer_version_check:
+        package += f" ({FLASHINFER_VERSION_CHECK_ENV} is set)"
+    return release, package
 
 
-def _fix_hint(issue: FiArKnownIssue, inputs: FiArBackendInputs) -> str | None:
-    """What gets the fix of `issue`, for a reason line; None while unreleased."""
+def fix_hint(issue: FiArKnownIssue, inputs: FiArBackendInputs) -> str | None:
+    """How to get the fix of `issue`, in full, for explain and the docs;
+    None while FlashInfer has not released it."""
     if issue.fixed_in is None:
         return None
-    if issue.is_fixed(inputs.flashinfer_version):
-        # flashinfer-python has the fix, so a jit-cache runs without it.
-        _, jit_cache_note = kernel_release(inputs)
+    release, package = kernel_release(inputs)
+    if inputs.flashinfer_aot_module:
         return (
-            f"{jit_cache_note}, which lack the fix of {issue.fixed_in}: unset "
-            f"{FLASHINFER_VERSION_CHECK_ENV}, or run `flashinfer download-kernels` "
-            "for a flashinfer-jit-cache of the same release"
+            f"remove flashinfer/data/aot/{MNNVL_KERNEL_MODULE} from the "
+            "flashinfer-python install: FlashInfer loads it before any other "
+            "kernels and checks no version"
         )
-    hint = f"FlashInfer {issue.fixed_in} fixes it"
-    return f"{hint}: {issue.get_fix}" if issue.get_fix else hint
+    if issue.is_fixed(inputs.flashinfer_version) and not issue.is_fixed(release):
+        return (
+            f"flashinfer-python {inputs.flashinfer_version} has the fix, but "
+            f"FlashInfer loads the kernels of {package}: unset "
+            f"{FLASHINFER_VERSION_CHECK_ENV}, or run `flashinfer download-kernels` "
+            "for jit-cache packages of flashinfer-python's release"
+        )
+    return issue.get_fix
 
 
 # What start-up raises for trtllm on a multi-node group: upstream's
@@ -352,7 +477,7 @@ def _decide(
             f"Invalid value {inputs.setting!r} for {FI_AR_BACKEND_ENV}. "
             f"Valid options: {list(FI_AR_BACKEND_CHOICES)}."
         )
-    release, jit_cache_note = kernel_release(inputs)
+    release, package = kernel_release(inputs)
     if inputs.setting != "auto":
         for issue in known_issues:
             if (
@@ -363,12 +488,9 @@ def _decide(
                 return FiArBackendDecision(
                     inputs.setting,
                     False,
-                    _sentences(
-                        f"{FI_AR_BACKEND_ENV}={inputs.setting} is set explicitly; "
-                        f"this is known to crash when {issue.trigger}: "
-                        f"{issue.summary} ({issue.name})",
-                        _fix_hint(issue, inputs),
-                    ),
+                    f"{FI_AR_BACKEND_ENV}={inputs.setting} is set explicitly, and "
+                    f"{issue.unsafe_backend} {issue.effect} on the kernels of "
+                    f"{package} {_see(issue)}",
                     known_issue=issue.name,
                 )
         return FiArBackendDecision(
@@ -383,33 +505,24 @@ def _decide(
         if choice.backend != issue.unsafe_backend or not issue.applies(inputs):
             continue
         if issue.is_fixed(release):
-            has_fix = (
-                f"{jit_cache_note}, which have the fix"
-                if jit_cache_note
-                else f"flashinfer-python {release} has the fix"
-            )
-            since = f"{issue.fixed_in} and newer"
             retired.append(
-                f"the {issue.name} override is retired: {has_fix} "
-                f"({f'{since}: {issue.fix}' if issue.fix else since})"
+                f"the {issue.name} override is retired: the kernels of {package} "
+                f"have the fix (FlashInfer {issue.fixed_in} and newer)"
             )
             continue
         backend = issue.replacement(inputs.node_count)
-        where = (
-            "on a single node"
-            if inputs.node_count == 1
-            else f"on {inputs.node_count} nodes"
-        )
-        action = f"using {backend}" if backend else "FlashInfer all-reduce is off"
+        if backend:
+            action = f"using {backend} on a single node"
+        else:
+            action = (
+                f"FlashInfer all-reduce is off on {inputs.node_count} nodes "
+                f"({issue.replacement_note})"
+            )
         return FiArBackendDecision(
             backend,
             False,
-            _sentences(
-                f"auto, {issue.trigger}: {issue.summary} ({issue.name}); {action} "
-                f"{where} ({issue.replacement_note})",
-                _fix_hint(issue, inputs),
-                f"Set {FI_AR_BACKEND_ENV}={issue.unsafe_backend} to override",
-            ),
+            f"auto, {issue.trigger}: {action}, as {issue.unsafe_backend} "
+            f"{issue.effect} on the kernels of {package} {_see(issue)}",
             known_issue=issue.name,
         )
     if retired:
@@ -421,6 +534,39 @@ def _decide(
     return choice
 
 
-def _sentences(*parts: str | None) -> str:
-    """One reason line from its parts, leaving out those that are None."""
-    return ". ".join(part for part in parts if part)
+def _see(issue: FiArKnownIssue) -> str:
+    """The end of a reason line: the issue, its fix, where the details are."""
+    fixed = f"fixed in FlashInfer {issue.fixed_in}" if issue.fixed_in else "unfixed"
+    return f"({issue.name}, {fixed}; details: {EXPLAIN_COMMAND})"
+
+
+def known_issue_detail(
+    inputs: FiArBackendInputs, decision: FiArBackendDecision
+) -> dict[str, Any] | None:
+    """What the reason line of `decision` leaves out, for explain: the
+    issue in full, whose kernels run, how to get the fix, the override."""
+    issue = next(
+        (i for i in FI_AR_KNOWN_ISSUES if i.name == decision.known_issue), None
+    )
+    if issue is None:
+        return None
+    _, package = kernel_release(inputs)
+    if inputs.setting == "auto":
+        override = (
+            f"{FI_AR_BACKEND_ENV}={issue.unsafe_backend} forces "
+            f"{issue.unsafe_backend}, the backend that {issue.effect} here"
+        )
+    else:
+        override = f"unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend"
+    fix = f"FlashInfer {issue.fixed_in}" if issue.fixed_in else None
+    if fix and issue.fix:
+        fix += f": {issue.fix}"
+    return {
+        "name": issue.name,
+        "summary": issue.summary,
+        "links": list(issue.links),
+        "kernels": package,
+        "fixed_in": fix,
+        "get_fix": fix_hint(issue, inputs),
+        "override": override,
+    }
