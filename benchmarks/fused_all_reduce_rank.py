@@ -151,7 +151,8 @@ def build_config(device: Literal["cuda", "cpu"], hisparse: bool) -> Any:
 
 def counted_kernel_release(group: Any) -> dict[str, str | None]:
     """The FlashInfer release whose all-reduce kernels run, as this build
-    counts it (flashinfer-jit-cache included).
+    counts it (jit-cache shim, providers and flashinfer/data/aot included),
+    and the package they are counted from.
 
     The inputs are gathered as the build's own decision gathers them
     (`_decide_for_group` in flashinfer_all_reduce_group.py), so the check
@@ -161,23 +162,24 @@ def counted_kernel_release(group: Any) -> dict[str, str | None]:
     from vllm.distributed.device_communicators import (
         flashinfer_all_reduce_group as fi_group,
     )
+    from vllm.distributed.device_communicators.flashinfer_all_reduce_installed import (
+        installed_kernel_inputs,
+    )
     from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
         FiArBackendInputs,
         kernel_release,
     )
 
-    release, note = kernel_release(
+    release, package = kernel_release(
         FiArBackendInputs(
             setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
             node_count=fi_group.group_node_count(group),
             device_capability=fi_group.device_capability(),
             hisparse=fi_group.hisparse_enabled(),
-            flashinfer_version=fi_group.installed_flashinfer_version(),
-            flashinfer_jit_cache_version=fi_group.installed_flashinfer_jit_cache_version(),
-            flashinfer_version_check=fi_group.flashinfer_version_check(),
+            **installed_kernel_inputs(),
         )
     )
-    return {"release": release, "note": note}
+    return {"release": release, "package": package}
 
 
 class KernelCalls:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 FI_AR_MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
+CREATION_MODULE = f"{FI_AR_MODULE}_creation"
 # The fusion size budget of PassConfig.default_fi_allreduce_fusion_max_size_mb
 # on CPU, where that table (it imports CUDA ops) cannot load.
 CPU_FUSION_MAX_SIZE_MB = 64
@@ -118,6 +119,7 @@ def install_cpu_kernel(op_module: Any) -> None:
     )
 
     fi_ar.flashinfer_comm.create_allreduce_fusion_workspace = create_reference_workspace
+    _skip_kernel_loads()
 
     def workspace(tp_size: int, max_token_num: int, hidden_states: torch.Tensor):
         return fi_ar.get_fi_ar_workspace(
@@ -172,6 +174,16 @@ def install_cpu_kernel(op_module: Any) -> None:
 
     op_module._can_use_flashinfer = can_use
     op_module.flashinfer_trtllm_fused_allreduce_norm = kernel
+
+
+def _skip_kernel_loads() -> None:
+    """FlashInfer's kernel-module loaders, which the build calls on every
+    rank before a creation, load nothing on CPU: the reference needs no
+    kernels, and FlashInfer's loaders find no CUDA architecture to build for.
+    """
+    creation = importlib.import_module(CREATION_MODULE)
+    for module_name, loader in creation.BACKEND_KERNEL_LOADERS.values():
+        setattr(importlib.import_module(module_name), loader, lambda: None)
 
 
 def cpu_max_token_num(tp_size: int, hidden: int, dtype: torch.dtype) -> int:

@@ -150,7 +150,7 @@ def format_summary(result: dict[str, Any]) -> str:
             f"{result['backend_setting']}, HiSparse {hisparse})"
         ),
         f"  FlashInfer  {fi.get('release')} kernels"
-        + (f" ({fi['note']})" if fi.get("note") else ""),
+        + (f" ({fi['package']})" if fi.get("package") else ""),
         f"  devices     {where}, {result['nodes']} node(s)",
         f"  iterations  {result['iterations']} per rank in {result['elapsed']:.0f}s",
         f"  mismatches  {result['mismatches']}",
