@@ -164,13 +164,19 @@ def flashinfer_uses(
 
 
 @pytest.fixture(scope="module")
-def flashinfer_wheels(request: pytest.FixtureRequest) -> dict[str, Path]:
-    """The released flashinfer-python wheels, fetched once through pip."""
-    cache = request.config.cache
-    assert cache is not None
+def flashinfer_wheels(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """The released flashinfer-python wheels, fetched once through pip.
+
+    Kept in pytest's cache between runs; where that is off
+    (`-p no:cacheprovider`, as mutation runs use), fetched for this run.
+    """
+    cache = getattr(request.config, "cache", None)
     wheels = {}
     for release in FLASHINFER_RELEASES:
-        dest = Path(cache.mkdir(f"flashinfer-python-{release}"))
+        name = f"flashinfer-python-{release}"
+        dest = Path(cache.mkdir(name)) if cache else tmp_path_factory.mktemp(name)
         found = list(dest.glob("flashinfer_python-*.whl"))
         if not found:
             proc = tree_imports.run_in_session(
