@@ -30,30 +30,19 @@ MiB = 1024 * 1024
 def platform_reads_as_cuda(active: bool) -> Iterator[None]:
     """While a config validates on CPU, the platform reads as CUDA.
 
-    vLLM refuses HiSparse off CUDA; the CPU run builds its config the way
-    the tests do (tests/distributed/fi_ar_utils.py pin_gpu), and only for
-    the validation, so distributed state and ops stay on CPU.
+    vLLM refuses HiSparse off CUDA; the CPU run builds its config as explain
+    judges a deployment for a CUDA GPU, and only for the validation, so
+    distributed state and ops stay on CPU.
     """
     if not active:
         yield
         return
-    from vllm.platforms import current_platform
+    from vllm.distributed.device_communicators.flashinfer_all_reduce_deployment import (
+        judged_for_a_cuda_gpu,
+    )
 
-    platform = type(current_platform)
-    saved = {
-        name: platform.__dict__.get(name)
-        for name in ("is_cuda", "support_hybrid_kv_cache")
-    }
-    platform.is_cuda = lambda self: True  # type: ignore[method-assign]
-    platform.support_hybrid_kv_cache = classmethod(lambda cls: True)  # type: ignore[method-assign, assignment]
-    try:
+    with judged_for_a_cuda_gpu():
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                delattr(platform, name)
-            else:
-                setattr(platform, name, value)
 
 
 class ReferenceWorkspace:

@@ -219,7 +219,7 @@ def _check_connector_list(kv_transfer_config: KVTransferConfig) -> None:
 
 
 @contextlib.contextmanager
-def _judged_for_a_cuda_gpu() -> Iterator[None]:
+def judged_for_a_cuda_gpu() -> Iterator[None]:
     """Let VllmConfig judge the deployment as on the CUDA machine it is for.
 
     explain runs where there may be no GPU, and VllmConfig refuses HiSparse
@@ -315,7 +315,7 @@ def engine_config(
             disable_hybrid_kv_cache_manager=False
         )
     try:
-        with _judged_for_a_cuda_gpu():
+        with judged_for_a_cuda_gpu():
             config = VllmConfig(
                 device_config=DeviceConfig(device="cpu"), **scheduler, **options
             )
