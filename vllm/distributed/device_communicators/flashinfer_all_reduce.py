@@ -133,7 +133,6 @@ def _create_workspace_on_rank(
     dtype: torch.dtype,
     group: ProcessGroup,
     comm_backend: Any,
-    comm_group: ProcessGroup,
 ):
     """This rank's part of a creation (see create_on_every_rank); raises."""
     rng_state = random.getstate()
@@ -150,7 +149,7 @@ def _create_workspace_on_rank(
                 hidden_dim=hidden_dim,
                 dtype=dtype,
                 comm_backend=comm_backend,
-                group=comm_group,
+                group=group,
             )
         if backend == "mnnvl" and not getattr(workspace, "mc_ptr", 0):
             workspace.destroy()

@@ -248,23 +248,28 @@ def _describe_failure(
 def create_on_every_rank(
     group: ProcessGroup,
     backend: str,
-    create: Callable[[Any, ProcessGroup], Any],
+    create: Callable[[Any], Any],
     release: Callable[[Any], None],
     backend_type: type,
 ) -> Any | None:
     """Create a workspace with `create`, on every rank of `group` or none.
 
-    `create(comm_backend, comm_group)` is this rank's part, calling
-    FlashInfer; it raises on failure. `release` destroys a workspace that
-    another rank failed to create. Every rank returns the workspace, or
-    every rank None, within FI_AR_CREATE_TIMEOUT_S of the last one starting
-    the collective part (after the kernels are loaded).
+    `create(comm_backend)` is this rank's part, calling FlashInfer with
+    that comm backend, through which FlashInfer makes every collective of a
+    creation but one: the torch symmetric-memory rendezvous of the trtllm
+    workspace under NVIDIA Confidential Computing, which runs on the group
+    FlashInfer is given, vLLM's, as upstream (a bounded group destroyed after
+    the creation would not outlive that memory). It raises on failure.
+    `release` destroys a workspace that another rank failed to create.
+    Every rank returns the workspace, or every rank None, within
+    FI_AR_CREATE_TIMEOUT_S of the last one starting the collective part
+    (after the kernels are loaded).
     """
     if not _all_prepared(group, backend):
         return None
     if dist.get_world_size(group) == 1:
         try:
-            return create(backend_type(group=group), group)
+            return create(backend_type(group=group))
         except Exception as e:
             outcome = (_FAILED, _error_text(e), 0)
             logger.warning_once(
@@ -277,7 +282,7 @@ def create_on_every_rank(
     status, error = _OK, None
     started = time.perf_counter()
     try:
-        workspace = create(comm_backend, bounded)
+        workspace = create(comm_backend)
     except Exception as e:
         status = _WAITED if comm_backend.waited is not None else _FAILED
         error = _error_text(e)
