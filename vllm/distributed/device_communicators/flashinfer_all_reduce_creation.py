@@ -92,7 +92,7 @@ def _ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _gather_codes(group: ProcessGroup, code: int) -> list[int]:
+def gather_codes(group: ProcessGroup, code: int) -> list[int]:
     """One small int from each rank of `group`, in rank order."""
     gathered = [torch.zeros(1, dtype=torch.int32) for _ in _ranks(group)]
     dist.all_gather(gathered, torch.tensor([code], dtype=torch.int32), group=group)
@@ -118,7 +118,7 @@ def _all_prepared(group: ProcessGroup, backend: str) -> bool:
     if dist.get_world_size(group) == 1:
         errors = [error]
     else:
-        codes = _gather_codes(group, int(error is not None))
+        codes = gather_codes(group, int(error is not None))
         errors = gather_details(group, error) if any(codes) else [None] * len(codes)
     if any(errors):
         logger.warning_once(
@@ -288,7 +288,7 @@ def create_on_every_rank(
         error = _error_text(e)
     finally:
         comm_backend.release()
-    codes = _gather_codes(group, status)
+    codes = gather_codes(group, status)
     dist.destroy_process_group(bounded)
     if not any(codes):
         return workspace

@@ -25,6 +25,7 @@ import vllm.envs as envs
 from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
     describe_load_failures,
+    gather_codes,
     gather_details,
     mark_prepared,
     prepare_backend,
@@ -193,11 +194,7 @@ def _agree_on_backend(
     code = _decision_code(mine)
     code |= _NO_FABRIC if fabric is False else 0
     code |= _NOT_PREPARED if load_error is not None else 0
-    codes = [code]
-    if len(ranks) > 1:
-        gathered = [torch.zeros(1, dtype=torch.int32) for _ in ranks]
-        dist.all_gather(gathered, torch.tensor([code], dtype=torch.int32), group=group)
-        codes = [int(c.item()) for c in gathered]
+    codes = gather_codes(group, code) if len(ranks) > 1 else [code]
     decisions = [code & _DECISION_BITS for code in codes]
     if len(set(decisions)) > 1:
         views = ", ".join(
