@@ -85,7 +85,7 @@ def installed_flashinfer_jit_cache_providers() -> tuple[FiJitCacheProvider, ...]
     import fails on it).
     """
     shim = _jit_cache_shim()
-    if shim is None or installed_flashinfer_jit_cache_version() is None:
+    if shim is None or getattr(shim, "__version__", None) is None:
         return ()
     try:
         listed = tuple(shim.get_jit_cache_providers())
