@@ -11,19 +11,20 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from fi_ar_utils import (
-    DEPLOYMENT_MODULE,
     ENV,
     MODULE,
     POLICY_MODULE,
-    REPORT_MODULE,
     FakeFlashInferDevice,
     FakeWorkspaceFactory,
+    build_config,
     free_port,
     pin_gpu,
     reset_log_once,
     run_group,
     write_synthetic_flashinfer,
 )
+
+from vllm.config import set_current_vllm_config
 
 # The four-rank group fixtures (about a minute each on 2
 # cores). Mutation runs (mutation/cosmic-ray.toml) leave them out with
@@ -72,7 +73,9 @@ def fi_ar(monkeypatch):
     FakeFlashInferDevice().install(monkeypatch)
     monkeypatch.delenv(ENV, raising=False)
     reset_log_once()
-    yield module
+    # Workers build communicators inside their vLLM config; HiSparse is off.
+    with set_current_vllm_config(build_config()):
+        yield module
     module.destroy_fi_ar_workspace()
 
 
@@ -80,19 +83,6 @@ def fi_ar(monkeypatch):
 def policy():
     """The pure backend decision and its known-issue registry."""
     return importlib.import_module(POLICY_MODULE)
-
-
-@pytest.fixture
-def explain(fi_ar):
-    """The explain command's answer and output (its `main`), on the same
-    faked device as `fi_ar`."""
-    return importlib.import_module(REPORT_MODULE)
-
-
-@pytest.fixture
-def deployment(fi_ar):
-    """How explain reads a deployment's `vllm serve` options."""
-    return importlib.import_module(DEPLOYMENT_MODULE)
 
 
 @pytest.fixture

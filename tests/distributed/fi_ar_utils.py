@@ -34,10 +34,6 @@ HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 POLICY_MODULE = f"{MODULE}_policy"
 GROUP_MODULE = f"{MODULE}_group"
-CREATION_MODULE = f"{MODULE}_creation"
-INSTALLED_MODULE = f"{MODULE}_installed"
-REPORT_MODULE = f"{MODULE}_report"
-DEPLOYMENT_MODULE = f"{MODULE}_deployment"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HIDDEN_DIM = 4096
 MAX_TOKENS = 128
@@ -630,10 +626,10 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         patch.setattr(
             fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
         )
-        if "bound" in case and _has_module(CREATION_MODULE):
-            # Stock vLLM and older trees have no bound to set.
-            creation = importlib.import_module(CREATION_MODULE)
-            patch.setattr(creation, "FI_AR_CREATE_TIMEOUT_S", case["bound"])
+        if "bound" in case and _has_module(GROUP_MODULE):
+            # Stock vLLM has no bound to set.
+            group_module = importlib.import_module(GROUP_MODULE)
+            patch.setattr(group_module, "FI_AR_CREATE_TIMEOUT_S", case["bound"])
         config = build_config(case.get("hisparse", "off"))
         group = dist.new_group(backend="gloo")
         args = dict(

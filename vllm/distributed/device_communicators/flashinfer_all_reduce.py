@@ -1,50 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-#
-# Description: Keep HiSparse off FlashInfer's MNNVL all-reduce while the
-#  FlashInfer kernels that will run lack the fix; make every rank of a group
-#  take the same path, within a bound; no mnnvl across nodes without an
-#  NVLink fabric.
-#  HiSparse's host gathers set off a cluster-barrier race in FlashInfer's
-#  MNNVL fused all-reduce ("CUDA error: unspecified launch failure", 7 of 7
-#  runs on 8xB200 TP8), fixed in flashinfer-python 0.7.4 (LamportFlags::
-#  ctaArrive()); vllm 0.33.0 pins 0.7.2.post1. flashinfer_all_reduce_policy
-#  decides: with HiSparse, `auto` and kernels older than 0.7.4 (also those
-#  of an older flashinfer-jit-cache that FLASHINFER_DISABLE_VERSION_CHECK
-#  lets FlashInfer load), one node uses trtllm and a multi-node group is off
-#  (trtllm cannot span nodes); on 0.7.4 the override retires itself. An
-#  explicit backend is obeyed, with a warning for mnnvl without the fix. A
-#  multi-node group where FlashInfer's is_mnnvl_fabric_supported is false on
-#  some rank is off: mnnvl only times out there (vllm#51986).
-#  Creation is collective: flashinfer_all_reduce_group makes the ranks agree
-#  once per group (off if they differ) in one round that also carries each
-#  rank's kernel load (done first, as a JIT build takes minutes) and fabric
-#  probe; flashinfer_all_reduce_creation runs FlashInfer's collectives on a
-#  gloo group bounded at FI_AR_CREATE_TIMEOUT_S (300 s; vLLM's wait 30 min)
-#  and has the ranks vote, so a creation failing on any rank ends the same
-#  way on all within the bound. This fixes start-up hangs of stock 0.33.0.
-#  Changes here: _resolve_fi_ar_backend and _node_count come from the group
-#  module; _create_workspace hands upstream's (now _create_workspace_on_rank,
-#  which takes FlashInfer's comm backend and group and raises on failure) to
-#  create_on_every_rank. Messages changed on purpose: one info line per group
-#  names the backend and why (a warning for explicit mnnvl without a fabric
-#  or with HiSparse); upstream's per-rank creation warnings become one
-#  warning on every rank naming the rank that failed and its error.
+# Description: with HiSparse on and `auto`, keep off mnnvl while the FlashInfer
+#  kernels lack the flashinfer#7782 fix (trtllm on one node, off across
+#  nodes), likewise fp16 on 0.7.2.post1's one-shot RMSNorm; the ranks of a
+#  group agree on the backend, and each workspace creation is bounded and
+#  voted, so no rank hangs. Logic: flashinfer_all_reduce_{policy,group}.py.
 # Bug: https://github.com/vllm-project/vllm/issues/64327
-# Bug: https://github.com/vllm-project/vllm/issues/51986 (the fabric vote)
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
-# Origin: vendor
-# Forwarded: https://github.com/vllm-project/vllm/issues/64327 (the HiSparse
-#  override); the fabric vote is upstream's open vllm PR 53377; not yet (the
-#  rank agreement and the bounded, voted creation)
+# Forwarded: no
 # Base: vllm==0.33.0
 # Last-Update: 2026-12-01
-# Applied-Upstream: no
-# Drop-When: the HiSparse override, once vLLM pins flashinfer-python 0.7.4
-#  or newer, or keeps HiSparse off MNNVL itself (vllm#64327); the fabric
-#  vote, once the base release carries vllm PR 53377 or another fix of
-#  vllm#51986; the rest, once upstream vLLM makes the ranks of a group agree
-#  on the backend and bounds and shares each workspace creation.
+# Drop-When: vLLM pins flashinfer-python>=0.7.4 and its ranks agree on the
+#  backend and bound each creation (docs/contributing/README.md).
+
 
 import atexit
 import functools
@@ -62,15 +30,9 @@ from vllm.config.compilation import PassConfig
 from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
 )
-from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
+from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     create_on_every_rank,
-)
-
-# Counting nodes is collective; count each group once.
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
-    group_node_count as _node_count,
-)
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
+    group_node_count,
     resolve_fi_ar_backend,
 )
 from vllm.logger import init_logger
@@ -119,7 +81,7 @@ def _get_tuned_standalone_max_size(
     if capability is None:
         return None
     max_size_mb = FI_MNNVL_ALLREDUCE_MAX_SIZE_MB.get(
-        (capability.to_int(), world_size, _node_count(group))
+        (capability.to_int(), world_size, group_node_count(group))
     )
     return None if max_size_mb is None else int(max_size_mb * MiB)
 
@@ -134,7 +96,7 @@ def _create_workspace_on_rank(
     group: ProcessGroup,
     comm_backend: Any,
 ):
-    """This rank's part of a creation (see create_on_every_rank); raises."""
+    """This rank's part of a creation, returning None on failure."""
     rng_state = random.getstate()
     try:
         random.seed(int.from_bytes(os.urandom(16), byteorder="big"))
@@ -153,9 +115,24 @@ def _create_workspace_on_rank(
             )
         if backend == "mnnvl" and not getattr(workspace, "mc_ptr", 0):
             workspace.destroy()
-            raise RuntimeError(
-                "FlashInfer MNNVL multicast is unavailable on the current topology"
+            logger.warning_once(
+                "FlashInfer MNNVL multicast is unavailable on the current topology."
             )
+            return None
+    except Exception as e:
+        if "multicast" in str(e).lower():
+            logger.warning_once(
+                "Failed to initialize FlashInfer All Reduce workspace: %s. "
+                "This is expected on GPUs without NVSwitch (e.g., NVLink "
+                "bridge-only or PCIe topologies).",
+                e,
+            )
+        else:
+            logger.warning_once(
+                "Failed to initialize FlashInfer All Reduce workspace: %s.",
+                e,
+            )
+        return None
     finally:
         random.setstate(rng_state)
     workspace_id = id(workspace)
@@ -179,12 +156,6 @@ def _create_workspace_on_rank(
     return workspace
 
 
-def _release_workspace(workspace: Any) -> None:
-    """Destroy a workspace that another rank failed to create."""
-    del _fi_ar_workspace_groups[id(workspace)]
-    workspace.destroy()
-
-
 def _create_workspace(
     backend: str,
     world_size: int,
@@ -194,11 +165,7 @@ def _create_workspace(
     dtype: torch.dtype,
     group: ProcessGroup,
 ):
-    """Create a flashinfer allreduce workspace, returning None on failure.
-
-    On every rank or on none, within FI_AR_CREATE_TIMEOUT_S, even when a rank
-    fails before FlashInfer's rendezvous; see create_on_every_rank.
-    """
+    """Create a flashinfer allreduce workspace on every rank or none (None)."""
     create = functools.partial(
         _create_workspace_on_rank,
         *(backend, world_size, rank, max_token_num, hidden_dim, dtype, group),
@@ -208,7 +175,14 @@ def _create_workspace(
     )
 
 
-def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
+def _release_workspace(workspace: Any) -> None:
+    del _fi_ar_workspace_groups[id(workspace)]
+    workspace.destroy()
+
+
+def _resolve_fi_ar_backend(
+    group: ProcessGroup, dtype: torch.dtype | None = None
+) -> tuple[str | None, bool]:
     """Resolve the flashinfer allreduce backend for the current setup.
 
     Returns:
@@ -216,10 +190,9 @@ def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
         when automatic selection has no supported backend for the process
         group.
 
-    Decided once per process group and agreed on by all of its ranks, with
-    HiSparse kept off mnnvl (vllm#64327); see `decide_fi_ar_backend`.
+    Agreed by every rank of the group, once; see flashinfer_all_reduce_group.
     """
-    return resolve_fi_ar_backend(group)
+    return resolve_fi_ar_backend(group, dtype)
 
 
 def get_fi_ar_workspace(
@@ -240,12 +213,12 @@ def get_fi_ar_workspace(
     if _fi_ar_workspace is not None or _fi_ar_workspace_failed:
         return _fi_ar_workspace
 
-    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group)
+    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group, dtype)
 
     if backend is None:
         return None
 
-    if backend == "trtllm" and _node_count(group) > 1:
+    if backend == "trtllm" and group_node_count(group) > 1:
         raise ValueError(
             "Flashinfer allreduce is not supported for multi-node allreduce with "
             "'trtllm' backend. Please use 'mnnvl' backend instead."
@@ -309,12 +282,12 @@ def get_fi_ar_quant_workspace(
     if _fi_ar_quant_workspace is not None or _fi_ar_quant_workspace_failed:
         return _fi_ar_quant_workspace
 
-    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group)
+    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group, dtype)
 
     if backend is None:
         return None
 
-    if backend == "trtllm" and _node_count(group) > 1:
+    if backend == "trtllm" and group_node_count(group) > 1:
         raise ValueError(
             "Flashinfer allreduce quantization fusion is not supported for "
             "multi-node allreduce with 'trtllm' backend. Please use 'mnnvl' "

@@ -1,21 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Patch: added by the downstream HiSparse fix (vllm#64327), beside the replaced
-#  flashinfer_all_reduce.py. Goes away with that file.
-"""The FlashInfer all-reduce backend of a process group, agreed by its ranks.
+# Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
+#  goes away with it.
+"""The FlashInfer all-reduce backend of a process group, and its workspaces.
 
-Creating a FlashInfer workspace is collective, so every rank of a group must
-take the same path. This module gathers the inputs of
-`decide_fi_ar_backend` on each rank and makes the ranks agree on its
-outcome once per group. The agreement round also carries, from each rank,
-whether its GPU has an NVLink fabric (on a group that spans nodes) and
-whether it loaded the backend's kernels; each workspace creation is then
-run and voted on by flashinfer_all_reduce_creation.
+Creating a workspace is collective, so every rank of a group must take the
+same path. The ranks agree on the backend once per group, and each creation
+ends the same way on every rank within FI_AR_CREATE_TIMEOUT_S.
 """
 
 import dataclasses
 import importlib
+import time
 import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,23 +23,14 @@ from torch.distributed import ProcessGroup
 
 import vllm.envs as envs
 from vllm.config import get_current_vllm_config_or_none
-from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
-    describe_load_failures,
-    gather_codes,
-    gather_details,
-    mark_prepared,
-    prepare_backend,
-)
-from vllm.distributed.device_communicators.flashinfer_all_reduce_installed import (
-    installed_kernel_inputs,
-)
 from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FI_AR_BACKEND_ENV,
+    FI_AR_DTYPES,
     FLASHINFER_VERSION_CHECK_ENV,
     FiArBackendDecision,
     FiArBackendInputs,
-    backend_span_error,
     decide_fi_ar_backend,
+    installed_kernels,
 )
 from vllm.distributed.parallel_state import _node_count
 from vllm.logger import init_logger
@@ -47,240 +38,345 @@ from vllm.platforms import current_platform
 
 logger = init_logger(__name__)
 
-# Both per-group caches hold their groups weakly: a strong reference would
-# keep every destroyed group's gloo threads and sockets alive, one set per
-# re-initialisation of the distributed state in a process (repeated LLM()).
-# Node counting is itself a collective and a group's nodes never change, so
-# count once per process group (0.33.0 counted several times at start-up).
-_fi_ar_node_counts: weakref.WeakKeyDictionary[ProcessGroup, int] = (
-    weakref.WeakKeyDictionary()
-)
-# The backend every rank of a group agreed on. It outlives
-# destroy_fi_ar_workspace(): a workspace re-created after a destroy (a
-# recompile, sleep/wake) may run with no vLLM config current, and deciding
-# again then would read HiSparse as off and pick the racy mnnvl. It goes
-# with its group.
-_fi_ar_decisions: weakref.WeakKeyDictionary[ProcessGroup, tuple[str | None, bool]] = (
-    weakref.WeakKeyDictionary()
-)
-# How a (backend, allow_trtllm_fallback) decision travels between ranks: the
-# low bits of the agreement code; the flags below ride beside it.
-_DECISION_BACKENDS = (None, "trtllm", "mnnvl")
-_DECISION_BITS = 7
-# This rank's GPU has no NVLink fabric (asked only where mnnvl spans nodes).
-_NO_FABRIC = 8
-# This rank failed to load the backend's kernels.
-_NOT_PREPARED = 16
-# FlashInfer's probe for an NVLink fabric (flashinfer/comm/mnnvl.py in
-# 0.7.2.post1 and 0.7.4), with which 0.7.2.post1's handle exchange picks
-# fabric handles or local file descriptors (`make_handle_exchanger`).
-FLASHINFER_FABRIC_PROBE = ("flashinfer.comm.mnnvl", "is_mnnvl_fabric_supported")
+# The bound on FlashInfer's collectives in one workspace creation, in
+# seconds. Between two of them a healthy rank only allocates and maps
+# memory; kernels are loaded before. vLLM's own gloo groups wait 30 min.
+FI_AR_CREATE_TIMEOUT_S = 300
+# The loader of each backend's kernel modules (functools.cache'd in
+# flashinfer-python 0.7.2.post1 and 0.7.4). trtllm's creation calls its
+# own between two collectives (`trtllm_lamport_initialize` in
+# flashinfer/comm/trtllm_ar.py); mnnvl calls its own at the first all-reduce.
+BACKEND_KERNEL_LOADERS = {
+    "trtllm": ("flashinfer.comm.trtllm_ar", "get_trtllm_comm_module"),
+    "mnnvl": ("flashinfer.comm.trtllm_mnnvl_ar", "get_trtllm_mnnvl_comm_module"),
+}
+# A decision travels as 3 bits per dtype key: backend index * 2 + fallback.
+_BACKENDS = (None, "trtllm", "mnnvl")
+_DTYPE_KEYS = (None, *FI_AR_DTYPES)
+_DECISION_BITS = 3 * len(_DTYPE_KEYS)
+_NO_FABRIC = 1 << _DECISION_BITS
+# How a rank's part of a creation ended; the rest of its code counts
+# FlashInfer's collectives it completed.
+_OK, _FAILED, _WAITED = 0, 1, 2
+
+
+@dataclasses.dataclass
+class _Group:
+    """What every rank of a group agreed on, and how its creations went."""
+
+    decisions: dict[str | None, FiArBackendDecision]
+    channel: ProcessGroup | None
+    """The bounded gloo group for FlashInfer's creation collectives; None
+    once a timeout left its ranks out of step."""
+    failed: set[str] = dataclasses.field(default_factory=set)
+
+
+# Held weakly: a strong reference would keep each destroyed group's gloo
+# threads and sockets alive across re-initialisations (repeated LLM()).
+_groups: weakref.WeakKeyDictionary[ProcessGroup, _Group] = weakref.WeakKeyDictionary()
+_node_counts: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 def group_node_count(group: ProcessGroup) -> int:
-    """Node count of `group`, computed once: counting nodes is collective."""
-    node_count = _fi_ar_node_counts.get(group)
-    if node_count is None:
-        node_count = _fi_ar_node_counts[group] = _node_count(group)
-    return node_count
+    """vLLM's node count of `group`, once: counting nodes is collective."""
+    if group not in _node_counts:
+        _node_counts[group] = _node_count(group)
+    return _node_counts[group]
 
 
-def hisparse_enabled() -> bool:
-    """Whether HiSparse is on for the engine being built.
+def hisparse_enabled() -> bool | None:
+    """Whether HiSparse, whose host gathers set off flashinfer#7782, is on.
 
-    Its host gathers are what set off the MNNVL race. vLLM infers
-    `hisparse_config` from a HiSparseConnector (also inside a
-    MultiConnector), so this one field covers every way to turn it on.
-    Workers build their communicators inside `set_current_vllm_config`;
-    with no current config there is no HiSparse.
+    vLLM infers `hisparse_config` from a HiSparseConnector, also inside a
+    MultiConnector. None without a current vLLM config: unknown.
     """
     config = get_current_vllm_config_or_none()
-    return config is not None and config.attention_config.hisparse_config is not None
+    if config is None:
+        return None
+    return config.attention_config.hisparse_config is not None
 
 
 def device_capability() -> int | None:
-    """This GPU's compute capability as `<major><minor>`, if there is one."""
     capability = current_platform.get_device_capability()
     return None if capability is None else capability.to_int()
 
 
 def nvlink_fabric() -> bool:
-    """Whether this GPU has an NVLink fabric, by FlashInfer's own probe.
-
-    A probe that fails counts as no fabric: FlashInfer's handle exchange
-    would fail the same way.
-    """
-    module_name, probe = FLASHINFER_FABRIC_PROBE
+    """FlashInfer's own probe; one that fails counts as no fabric."""
     try:
-        module = importlib.import_module(module_name)
-        return bool(getattr(module, probe)(torch.cuda.current_device()))
+        mnnvl = importlib.import_module("flashinfer.comm.mnnvl")
+        return bool(mnnvl.is_mnnvl_fabric_supported(torch.cuda.current_device()))
     except Exception as e:
         logger.warning_once("FlashInfer's NVLink fabric probe failed: %s", e)
         return False
 
 
-def _decide_for_group(
-    group: ProcessGroup,
-) -> tuple[FiArBackendInputs, FiArBackendDecision]:
-    """This rank's view of the decision: gather the inputs and decide.
+def gather_codes(group: ProcessGroup, code: int) -> list[int]:
+    """One int from each rank of `group`, in rank order."""
+    if dist.get_world_size(group) == 1:
+        return [code]
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in _ranks(group)]
+    dist.all_gather(gathered, torch.tensor([code], dtype=torch.int64), group=group)
+    return [int(c.item()) for c in gathered]
 
-    Fabric support is left unknown here: it counts only once every rank
-    has answered (`_agree_on_backend`).
+
+def _ranks(group: ProcessGroup) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _some(ranks: list[int]) -> str:
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
+
+
+def _encode(decisions: dict[str | None, FiArBackendDecision]) -> int:
+    return sum(
+        (_BACKENDS.index(d.backend) * 2 + d.allow_trtllm_fallback) << (3 * i)
+        for i, d in enumerate(decisions.values())
+    )
+
+
+def _describe(code: int) -> str:
+    backend = _BACKENDS[(code & 7) // 2] or "off"
+    return f"{backend} (may fall back to trtllm)" if code & 1 else backend
+
+
+def _bounded_channel(group: ProcessGroup) -> ProcessGroup | None:
+    """A gloo group of `group`'s ranks whose collectives time out at the bound.
+
+    Made at every group's agreement, whatever its outcome: torch names
+    groups by a per-process counter, so processes that made different
+    numbers of groups would hang in any later new_group.
     """
-    setting = envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND
+    if dist.get_world_size(group) == 1:
+        return group
+    channel = dist.new_group(
+        list(_ranks(group)),
+        backend="gloo",
+        timeout=timedelta(seconds=FI_AR_CREATE_TIMEOUT_S),
+        use_local_synchronization=True,
+    )
+    assert isinstance(channel, ProcessGroup)
+    return channel
+
+
+def _agree(group: ProcessGroup) -> _Group:
+    """Decide for every workspace dtype and agree, in one round.
+
+    Ranks can see different inputs (the variable set on one node only), and
+    ranks that create different workspaces hang; so any disagreement turns
+    FlashInfer all-reduce off. The round also carries each rank's NVLink
+    fabric probe, which mnnvl needs on every rank of a multi-node group.
+    """
+    config_hisparse = hisparse_enabled()
+    if config_hisparse is None:
+        logger.warning_once(
+            "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
+            "on, the choice that cannot crash."
+        )
     inputs = FiArBackendInputs(
-        setting=setting,
+        setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
         node_count=group_node_count(group),
         device_capability=device_capability(),
-        hisparse=hisparse_enabled(),
-        **installed_kernel_inputs(),
+        hisparse=config_hisparse,
+        kernels=installed_kernels(),
     )
-    decision = decide_fi_ar_backend(inputs)
-    if decision.known_issue is not None and setting != "auto":
-        logger.warning_once(
-            "%s. Unset %s to let vLLM pick a safe backend.",
-            decision.reason,
-            FI_AR_BACKEND_ENV,
+    decisions = {
+        key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
+        for key in _DTYPE_KEYS
+    }
+    code = _encode(decisions)
+    spans = inputs.node_count > 1
+    if spans and "mnnvl" in {d.backend for d in decisions.values()}:
+        code |= 0 if nvlink_fabric() else _NO_FABRIC
+    channel = _bounded_channel(group)
+    codes = gather_codes(group, code)
+    ranks = _ranks(group)
+    mask = (1 << _DECISION_BITS) - 1
+    if len({c & mask for c in codes}) > 1:
+        first = next(
+            i
+            for i in range(len(_DTYPE_KEYS))
+            if len({c >> 3 * i & 7 for c in codes}) > 1
         )
-    return inputs, decision
-
-
-def _decision_code(decision: tuple[str | None, bool]) -> int:
-    """A (backend, allow_trtllm_fallback) pair as one int, to all-gather."""
-    backend, allow_trtllm_fallback = decision
-    return _DECISION_BACKENDS.index(backend) * 2 + int(allow_trtllm_fallback)
-
-
-def _describe_decision_code(code: int) -> str:
-    backend = _DECISION_BACKENDS[code // 2] or "off"
-    return f"{backend} (may fall back to trtllm)" if code % 2 else backend
-
-
-def _prepare(
-    inputs: FiArBackendInputs, decision: FiArBackendDecision
-) -> tuple[bool | None, str | None]:
-    """This rank's fabric answer and kernel-load error, before any creation.
-
-    Fabric is asked only where mnnvl would span nodes; kernels are loaded
-    only for a backend that will be created.
-    """
-    backend = decision.backend
-    fabric = None
-    if backend == "mnnvl" and inputs.node_count > 1:
-        fabric = nvlink_fabric()
-    if (
-        backend is None
-        or fabric is False
-        or backend_span_error(backend, inputs.node_count)
-    ):
-        return fabric, None
-    return fabric, prepare_backend(backend)
-
-
-def _agree_on_backend(
-    group: ProcessGroup, inputs: FiArBackendInputs, decision: FiArBackendDecision
-) -> tuple[str | None, bool]:
-    """Use the decision only if every rank made it; otherwise turn it off.
-
-    Ranks can see different inputs (the env var set on one node only,
-    HiSparse configured on some ranks), and ranks that create different
-    workspaces hang. One small CPU collective, once per group, which also
-    carries each rank's NVLink fabric answer (mnnvl across nodes needs it
-    on every rank) and whether it loaded the backend's kernels.
-    """
-    mine = (decision.backend, decision.allow_trtllm_fallback)
-    ranks = tuple(dist.get_process_group_ranks(group))
-    fabric, load_error = _prepare(inputs, decision)
-    code = _decision_code(mine)
-    code |= _NO_FABRIC if fabric is False else 0
-    code |= _NOT_PREPARED if load_error is not None else 0
-    codes = gather_codes(group, code) if len(ranks) > 1 else [code]
-    decisions = [code & _DECISION_BITS for code in codes]
-    if len(set(decisions)) > 1:
         views = ", ".join(
-            f"rank {rank}: {_describe_decision_code(code)}"
-            for rank, code in zip(ranks, decisions, strict=True)
+            f"rank {rank}: {_describe(c >> 3 * first)}"
+            for rank, c in zip(ranks, codes, strict=True)
         )
         logger.error_once(
             "FlashInfer all-reduce is off for ranks %s: they chose different "
-            "backends (%s). Make these the same on every node: %s, the HiSparse "
-            "config, the GPU, the flashinfer-python release, the "
-            "flashinfer-jit-cache release and its providers' releases, and "
-            "whether %s is set.",
+            "backends%s (%s). Make these the same on every node: %s, the "
+            "HiSparse config, the GPU, the FlashInfer packages, and whether %s "
+            "is set.",
             ranks,
+            f" for {_DTYPE_KEYS[first]} workspaces" if first else "",
             views,
             FI_AR_BACKEND_ENV,
             FLASHINFER_VERSION_CHECK_ENV,
         )
-        return None, False
-    no_fabric = [
-        rank for rank, code in zip(ranks, codes, strict=True) if code & _NO_FABRIC
-    ]
+        off = FiArBackendDecision(None, False, "the ranks disagree")
+        return _Group(dict.fromkeys(_DTYPE_KEYS, off), channel)
+    reason = decisions[None].reason
+    no_fabric = [r for r, c in zip(ranks, codes, strict=True) if c & _NO_FABRIC]
     if no_fabric:
-        return _without_fabric(ranks, inputs, no_fabric)
-    if any(code & _NOT_PREPARED for code in codes):
-        return _without_kernels(group, ranks, decision, load_error)
-    if decision.backend is not None:
-        mark_prepared(group, decision.backend)
+        inputs = dataclasses.replace(inputs, fabric=False)
+        decisions = {
+            key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
+            for key in _DTYPE_KEYS
+        }
+        reason = (
+            f"{decisions[None].reason}; FlashInfer's is_mnnvl_fabric_supported "
+            f"is false on {_some(no_fabric)}"
+        )
+    _log_decision(f"ranks {ranks}", decisions[None], reason)
+    return _Group(decisions, channel)
+
+
+def _log_decision(who: str, decision: FiArBackendDecision, reason: str) -> None:
+    """The start-up line; a warning where a setting runs into a known issue."""
+    issue = decision.known_issue
+    if issue is not None and issue.backend == decision.backend:
+        logger.warning_once(
+            "FlashInfer all-reduce backend for %s: %s (%s). Unset %s to let vLLM "
+            "pick a safe backend.",
+            *(who, decision.backend, reason, FI_AR_BACKEND_ENV),
+        )
+        return
     logger.info_once(
-        "FlashInfer all-reduce backend for ranks %s: %s (%s)",
-        ranks,
-        decision.backend or "off",
-        decision.reason,
+        "FlashInfer all-reduce backend for %s: %s (%s)",
+        *(who, decision.backend or "off", reason),
     )
-    return mine
 
 
-def _without_fabric(
-    ranks: tuple[int, ...], inputs: FiArBackendInputs, no_fabric: list[int]
+def resolve_fi_ar_backend(
+    group: ProcessGroup, dtype: torch.dtype | None = None
 ) -> tuple[str | None, bool]:
-    """Off for a multi-node group where some rank has no NVLink fabric.
-
-    The ranks agreed on mnnvl, so the policy's answer with the fabric known
-    to be missing is the same on each: off. An explicit mnnvl is warned
-    about, as it cannot work here.
-    """
-    decision = decide_fi_ar_backend(dataclasses.replace(inputs, fabric=False))
-    log = logger.info_once if inputs.setting == "auto" else logger.warning_once
-    log(
-        "FlashInfer all-reduce backend for ranks %s: %s (%s; FlashInfer's "
-        "is_mnnvl_fabric_supported is false on ranks %s)",
-        ranks,
-        decision.backend or "off",
-        decision.reason,
-        ", ".join(map(str, no_fabric)),
-    )
+    """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for
+    a workspace of `dtype` (None: not yet known). Agreed once per group."""
+    if group not in _groups:
+        _groups[group] = _agree(group)
+    state = _groups[group]
+    key = None if dtype is None else str(dtype).removeprefix("torch.")
+    decision = state.decisions.get(key, state.decisions[None])
+    if key is not None and decision != state.decisions[None]:
+        _log_decision(f"ranks {_ranks(group)}, {key}", decision, decision.reason)
     return decision.backend, decision.allow_trtllm_fallback
 
 
-def _without_kernels(
+def _load_kernels(backend: str) -> str | None:
+    """Load (JIT-build on a cold cache: minutes) `backend`'s kernels here;
+    the error, if any."""
+    module_name, loader = BACKEND_KERNEL_LOADERS[backend]
+    try:
+        getattr(importlib.import_module(module_name), loader)()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class _CreationCommBackend:
+    """FlashInfer's CommBackend for one creation: its collectives run on the
+    bounded channel and are counted; afterwards (FlashInfer keeps it for
+    `checkpoint_prepare`'s barrier) they run on vLLM's group, as upstream."""
+
+    def __init__(self, backend_type: type, channel: ProcessGroup, group: ProcessGroup):
+        self._current = self._bounded = backend_type(group=channel)
+        self._after = backend_type(group=group)
+        self.steps = 0
+        self.waited = False
+
+    def _collective(self, name: str, *args: Any) -> Any:
+        if self._current is not self._bounded:
+            return getattr(self._current, name)(*args)
+        try:
+            result = getattr(self._current, name)(*args)
+        except Exception:
+            self.waited = True
+            raise
+        self.steps += 1
+        return result
+
+    def Get_rank(self) -> int:  # noqa: N802 - FlashInfer's CommBackend API
+        return self._current.Get_rank()
+
+    def Get_size(self) -> int:  # noqa: N802
+        return self._current.Get_size()
+
+    def allgather(self, data: Any) -> Any:
+        return self._collective("allgather", data)
+
+    def bcast(self, data: Any, root: int) -> Any:
+        return self._collective("bcast", data, root)
+
+    def barrier(self) -> None:
+        self._collective("barrier")
+
+    def Split(self, color: int, key: int) -> Any:  # noqa: N802
+        return self._current.Split(color, key)
+
+    def done(self) -> None:
+        self._current = self._after
+
+
+def create_on_every_rank(
     group: ProcessGroup,
-    ranks: tuple[int, ...],
-    decision: FiArBackendDecision,
-    load_error: str | None,
-) -> tuple[str | None, bool]:
-    """The trtllm fallback, where allowed, when a rank could not load the
-    agreed backend's kernels; otherwise off."""
-    errors = [load_error] if len(ranks) == 1 else gather_details(group, load_error)
-    assert decision.backend is not None
-    fallback = "trtllm" if decision.allow_trtllm_fallback else None
-    logger.warning_once(
-        "%s; FlashInfer all-reduce for ranks %s: %s.",
-        describe_load_failures(decision.backend, ranks, errors),
-        ranks,
-        f"{fallback} instead" if fallback else "off",
+    backend: str,
+    create: Callable[[Any], Any],
+    release: Callable[[Any], None],
+    backend_type: type,
+) -> Any | None:
+    """Run `create(comm_backend)` (this rank's part of a creation, None on
+    failure) so that every rank of `group` keeps the workspace or none does,
+    within FI_AR_CREATE_TIMEOUT_S once the kernels are loaded. `release`
+    destroys a workspace that another rank failed to create. A backend that
+    failed for a group is not tried again."""
+    state = _groups[group]
+    ranks = _ranks(group)
+    if backend in state.failed or state.channel is None:
+        return None
+    error = _load_kernels(backend)
+    loaded = gather_codes(group, int(error is not None))
+    if any(loaded):
+        state.failed.add(backend)
+        logger.warning_once(
+            "FlashInfer's %s all-reduce kernels failed to load on %s%s; "
+            "no rank of %s creates its workspace.",
+            backend,
+            _some([r for r, c in zip(ranks, loaded, strict=True) if c]),
+            f" ({error})" if error else "",
+            ranks,
+        )
+        return None
+    comm_backend = _CreationCommBackend(backend_type, state.channel, group)
+    started = time.perf_counter()
+    try:
+        workspace = create(comm_backend)
+    finally:
+        comm_backend.done()
+    status = _OK if workspace is not None else _FAILED
+    status = _WAITED if comm_backend.waited else status
+    codes = gather_codes(group, status | comm_backend.steps << 2)
+    if not any(code & 3 for code in codes):
+        return workspace
+    if workspace is not None:
+        release(workspace)
+    state.failed.add(backend)
+    steps = [code >> 2 for code in codes]
+    if any(code & 3 == _WAITED for code in codes) or len(set(steps)) > 1:
+        state.channel = None
+    failed = [r for r, c in zip(ranks, codes, strict=True) if c & 3 == _FAILED]
+    late = [r for r, s in zip(ranks, steps, strict=True) if s == min(steps)]
+    what = (
+        f"failed on {_some(failed)} (see the log there)"
+        if failed
+        else f"failed: {_some(late)} did not answer within {FI_AR_CREATE_TIMEOUT_S} s"
     )
-    return fallback, False
-
-
-def resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
-    """The `(backend, allow_trtllm_fallback)` every rank of `group` uses.
-
-    Decided and agreed on once per process group, for the life of the
-    process; see `decide_fi_ar_backend` for the rules.
-    """
-    agreed = _fi_ar_decisions.get(group)
-    if agreed is None:
-        agreed = _agree_on_backend(group, *_decide_for_group(group))
-        _fi_ar_decisions[group] = agreed
-    return agreed
+    logger.warning_once(
+        "FlashInfer %s all-reduce workspace for ranks %s %s; every rank gave it "
+        "up (after %.1f s here)%s.",
+        backend,
+        ranks,
+        what,
+        time.perf_counter() - started,
+        "" if state.channel else "; FlashInfer all-reduce stays off for them",
+    )
+    return None
