@@ -27,6 +27,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -586,8 +587,10 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     fail_before (backends whose creation fails after or before FlashInfer's
     exchange), fabric, load_seconds and load_fails (see
     FakeFlashInferDevice), bound (the creation's collective bound, in
-    seconds) and reacquire (destroy, then acquire again outside the
-    config); `per_rank` maps a rank to overrides of any of them.
+    seconds), reacquire (destroy, then acquire again outside the config),
+    dtype (the workspaces'), tp (the TP groups' ranks, default one of all)
+    and world_group_after (then make a world-wide group, with this
+    timeout); `per_rank` maps a rank to overrides of any of them.
     Each case gets a new gloo group, as a new engine would, so per-group
     state starts cold. The result counts collective rounds and node probes,
     and times the acquisition.
@@ -631,13 +634,16 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             group_module = importlib.import_module(GROUP_MODULE)
             patch.setattr(group_module, "FI_AR_CREATE_TIMEOUT_S", case["bound"])
         config = build_config(case.get("hisparse", "off"))
-        group = dist.new_group(backend="gloo")
+        # Every rank makes every TP group, as vLLM's GroupCoordinator does.
+        tp_groups = case.get("tp", [list(range(dist.get_world_size()))])
+        made = [dist.new_group(ranks, backend="gloo") for ranks in tp_groups]
+        group = next(g for g, r in zip(made, tp_groups, strict=True) if rank in r)
         args = dict(
             world_size=dist.get_world_size(group),
-            rank=rank,
+            rank=dist.get_rank(group),
             max_token_num=MAX_TOKENS,
             hidden_dim=HIDDEN_DIM,
-            dtype=torch.bfloat16,
+            dtype=getattr(torch, case.get("dtype", "bfloat16")),
             group=group,
         )
         counter = CollectiveCounter()
@@ -646,6 +652,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         with set_current_vllm_config(config):
             standalone = fi_ar.FlashInferAllReduce(group=group, device="cpu")
             result["standalone_disabled"] = standalone.disabled
+            result["constructor_loads"] = list(device.loads)
             ws = fi_ar.get_fi_ar_workspace(**args)
             quant = fi_ar.get_fi_ar_quant_workspace(**args)
             result["resolved"] = fi_ar._resolve_fi_ar_backend(group)
@@ -654,7 +661,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             result["shared"] = ws is not None and ws is quant
             if not standalone.disabled:
                 result["standalone_ready"] = standalone._ensure_workspace(
-                    HIDDEN_DIM, torch.bfloat16
+                    HIDDEN_DIM, args["dtype"]
                 )
         result["seconds"] = time.perf_counter() - start
         if case.get("reacquire"):
@@ -676,6 +683,15 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         result["collectives"] = counter.collectives
         result["node_probes"] = counter.node_probes
         result["groups"] = counter.groups
+        if "world_group_after" in case:
+            # Any later world-wide group (elastic EP, a re-initialisation)
+            # forms only if every process made the same number of groups.
+            world = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=case["world_group_after"])
+            )
+            ones = torch.ones(1)
+            dist.all_reduce(ones, group=world)
+            result["world_group"] = int(ones.item())
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()

@@ -55,6 +55,8 @@ _BACKENDS = (None, "trtllm", "mnnvl")
 _DTYPE_KEYS = (None, *FI_AR_DTYPES)
 _DECISION_BITS = 3 * len(_DTYPE_KEYS)
 _NO_FABRIC = 1 << _DECISION_BITS
+# The collectives of FlashInfer's CommBackend (flashinfer/comm/comm_backend.py).
+_COLLECTIVES = ("allgather", "bcast", "barrier")
 # How a rank's part of a creation ended; the rest of its code counts
 # FlashInfer's collectives it completed.
 _OK, _FAILED, _WAITED = 0, 1, 2
@@ -65,9 +67,9 @@ class _Group:
     """What every rank of a group agreed on, and how its creations went."""
 
     decisions: dict[str | None, FiArBackendDecision]
-    channel: ProcessGroup | None
-    """The bounded gloo group for FlashInfer's creation collectives; None
-    once a timeout left its ranks out of step."""
+    channels: dict[str, ProcessGroup]
+    """Per backend, the bounded gloo group for FlashInfer's creation
+    collectives; one that timed out serves no other creation."""
     failed: set[str] = dataclasses.field(default_factory=set)
 
 
@@ -140,23 +142,38 @@ def _describe(code: int) -> str:
     return f"{backend} (may fall back to trtllm)" if code & 1 else backend
 
 
-def _bounded_channel(group: ProcessGroup) -> ProcessGroup | None:
-    """A gloo group of `group`'s ranks whose collectives time out at the bound.
+def _bounded_channels(group: ProcessGroup) -> dict[str, ProcessGroup]:
+    """Per backend, a gloo group of `group`'s ranks whose collectives time out
+    at the bound: a rank that fails leaves the others waiting in that group
+    only, and only the backend that failed is given up.
 
     Made at every group's agreement, whatever its outcome: torch names
     groups by a per-process counter, so processes that made different
     numbers of groups would hang in any later new_group.
     """
-    if dist.get_world_size(group) == 1:
-        return group
-    channel = dist.new_group(
-        list(_ranks(group)),
-        backend="gloo",
-        timeout=timedelta(seconds=FI_AR_CREATE_TIMEOUT_S),
-        use_local_synchronization=True,
-    )
-    assert isinstance(channel, ProcessGroup)
-    return channel
+    channels = {}
+    for backend in BACKEND_KERNEL_LOADERS:
+        channel: ProcessGroup | int = group
+        if dist.get_world_size(group) > 1:
+            channel = dist.new_group(
+                list(_ranks(group)),
+                backend="gloo",
+                timeout=timedelta(seconds=FI_AR_CREATE_TIMEOUT_S),
+                use_local_synchronization=True,
+            )
+        assert isinstance(channel, ProcessGroup)
+        channels[backend] = channel
+    return channels
+
+
+def _decide_every_dtype(
+    inputs: FiArBackendInputs,
+) -> dict[str | None, FiArBackendDecision]:
+    """A known issue may hit one dtype only; None is the dtype not yet known."""
+    return {
+        key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
+        for key in _DTYPE_KEYS
+    }
 
 
 def _agree(group: ProcessGroup) -> _Group:
@@ -180,15 +197,12 @@ def _agree(group: ProcessGroup) -> _Group:
         hisparse=config_hisparse,
         kernels=installed_kernels(),
     )
-    decisions = {
-        key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
-        for key in _DTYPE_KEYS
-    }
+    decisions = _decide_every_dtype(inputs)
     code = _encode(decisions)
     spans = inputs.node_count > 1
     if spans and "mnnvl" in {d.backend for d in decisions.values()}:
         code |= 0 if nvlink_fabric() else _NO_FABRIC
-    channel = _bounded_channel(group)
+    channels = _bounded_channels(group)
     codes = gather_codes(group, code)
     ranks = _ranks(group)
     mask = (1 << _DECISION_BITS) - 1
@@ -214,21 +228,17 @@ def _agree(group: ProcessGroup) -> _Group:
             FLASHINFER_VERSION_CHECK_ENV,
         )
         off = FiArBackendDecision(None, False, "the ranks disagree")
-        return _Group(dict.fromkeys(_DTYPE_KEYS, off), channel)
+        return _Group(dict.fromkeys(_DTYPE_KEYS, off), channels)
     reason = decisions[None].reason
     no_fabric = [r for r, c in zip(ranks, codes, strict=True) if c & _NO_FABRIC]
     if no_fabric:
-        inputs = dataclasses.replace(inputs, fabric=False)
-        decisions = {
-            key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
-            for key in _DTYPE_KEYS
-        }
+        decisions = _decide_every_dtype(dataclasses.replace(inputs, fabric=False))
         reason = (
             f"{decisions[None].reason}; FlashInfer's is_mnnvl_fabric_supported "
             f"is false on {_some(no_fabric)}"
         )
     _log_decision(f"ranks {ranks}", decisions[None], reason)
-    return _Group(decisions, channel)
+    return _Group(decisions, channels)
 
 
 def _log_decision(who: str, decision: FiArBackendDecision, reason: str) -> None:
@@ -275,8 +285,8 @@ def _load_kernels(backend: str) -> str | None:
 
 class _CreationCommBackend:
     """FlashInfer's CommBackend for one creation: its collectives run on the
-    bounded channel and are counted; afterwards (FlashInfer keeps it for
-    `checkpoint_prepare`'s barrier) they run on vLLM's group, as upstream."""
+    bounded channel and are counted; after `done` (FlashInfer keeps it for
+    `checkpoint_prepare`'s barrier) everything runs on vLLM's group."""
 
     def __init__(self, backend_type: type, channel: ProcessGroup, group: ProcessGroup):
         self._current = self._bounded = backend_type(group=channel)
@@ -284,34 +294,21 @@ class _CreationCommBackend:
         self.steps = 0
         self.waited = False
 
-    def _collective(self, name: str, *args: Any) -> Any:
-        if self._current is not self._bounded:
-            return getattr(self._current, name)(*args)
-        try:
-            result = getattr(self._current, name)(*args)
-        except Exception:
-            self.waited = True
-            raise
-        self.steps += 1
-        return result
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._current, name)
+        if self._current is not self._bounded or name not in _COLLECTIVES:
+            return method
 
-    def Get_rank(self) -> int:  # noqa: N802 - FlashInfer's CommBackend API
-        return self._current.Get_rank()
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            try:
+                result = method(*args, **kwargs)
+            except Exception:
+                self.waited = True
+                raise
+            self.steps += 1
+            return result
 
-    def Get_size(self) -> int:  # noqa: N802
-        return self._current.Get_size()
-
-    def allgather(self, data: Any) -> Any:
-        return self._collective("allgather", data)
-
-    def bcast(self, data: Any, root: int) -> Any:
-        return self._collective("bcast", data, root)
-
-    def barrier(self) -> None:
-        self._collective("barrier")
-
-    def Split(self, color: int, key: int) -> Any:  # noqa: N802
-        return self._current.Split(color, key)
+        return collective
 
     def done(self) -> None:
         self._current = self._after
@@ -331,7 +328,7 @@ def create_on_every_rank(
     failed for a group is not tried again."""
     state = _groups[group]
     ranks = _ranks(group)
-    if backend in state.failed or state.channel is None:
+    if backend in state.failed:
         return None
     error = _load_kernels(backend)
     loaded = gather_codes(group, int(error is not None))
@@ -346,7 +343,8 @@ def create_on_every_rank(
             ranks,
         )
         return None
-    comm_backend = _CreationCommBackend(backend_type, state.channel, group)
+    channel = state.channels[backend]
+    comm_backend = _CreationCommBackend(backend_type, channel, group)
     started = time.perf_counter()
     try:
         workspace = create(comm_backend)
@@ -361,8 +359,6 @@ def create_on_every_rank(
         release(workspace)
     state.failed.add(backend)
     steps = [code >> 2 for code in codes]
-    if any(code & 3 == _WAITED for code in codes) or len(set(steps)) > 1:
-        state.channel = None
     failed = [r for r, c in zip(ranks, codes, strict=True) if c & 3 == _FAILED]
     late = [r for r, s in zip(ranks, steps, strict=True) if s == min(steps)]
     what = (
@@ -372,11 +368,10 @@ def create_on_every_rank(
     )
     logger.warning_once(
         "FlashInfer %s all-reduce workspace for ranks %s %s; every rank gave it "
-        "up (after %.1f s here)%s.",
+        "up (after %.1f s here).",
         backend,
         ranks,
         what,
         time.perf_counter() - started,
-        "" if state.channel else "; FlashInfer all-reduce stays off for them",
     )
     return None

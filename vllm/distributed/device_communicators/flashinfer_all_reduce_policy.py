@@ -222,11 +222,11 @@ def decide_fi_ar_backend(
         )
 
     if inputs.setting != "auto":
-        backend, issue = inputs.setting, unfixed(inputs.setting)
-        reason = f"{FI_AR_BACKEND_ENV}={backend} is set explicitly"
+        setting, issue = inputs.setting, unfixed(inputs.setting)
+        reason = f"{FI_AR_BACKEND_ENV}={setting} is set explicitly"
         if issue is not None:
-            reason += f", and {backend} {issue.effect} on {_see(issue, package)}"
-        return _usable(inputs, FiArBackendDecision(backend, False, reason, issue))
+            reason += f", and {setting} {issue.effect} on {_see(issue, package)}"
+        return _usable(inputs, FiArBackendDecision(setting, False, reason, issue))
     candidates, reason = _auto_candidates(inputs)
     safe = [backend for backend in candidates if unfixed(backend) is None]
     skipped = [unfixed(backend) for backend in candidates if backend not in safe]
