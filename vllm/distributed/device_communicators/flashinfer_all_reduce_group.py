@@ -26,7 +26,6 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FI_AR_BACKEND_ENV,
     FI_AR_DTYPES,
-    FLASHINFER_VERSION_CHECK_ENV,
     FiArBackendDecision,
     FiArBackendInputs,
     decide_fi_ar_backend,
@@ -219,13 +218,11 @@ def _agree(group: ProcessGroup) -> _Group:
         logger.error_once(
             "FlashInfer all-reduce is off for ranks %s: they chose different "
             "backends%s (%s). Make these the same on every node: %s, the "
-            "HiSparse config, the GPU, the FlashInfer packages, and whether %s "
-            "is set.",
+            "HiSparse config, the GPU and the FlashInfer packages.",
             ranks,
             f" for {_DTYPE_KEYS[first]} workspaces" if first else "",
             views,
             FI_AR_BACKEND_ENV,
-            FLASHINFER_VERSION_CHECK_ENV,
         )
         off = FiArBackendDecision(None, False, "the ranks disagree")
         return _Group(dict.fromkeys(_DTYPE_KEYS, off), channels)

@@ -11,7 +11,6 @@ retires once the FlashInfer kernels that would run carry its fix.
 """
 
 import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -23,9 +22,6 @@ FI_AR_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 # The dtypes FlashInferAllReduce.should_use_fi_ar accepts.
 FI_AR_DTYPES = ("float16", "bfloat16", "float32")
 EXPLAIN_COMMAND = "python -m vllm.explain_flashinfer_all_reduce"
-# FlashInfer's own switch: set to anything, FlashInfer loads a jit-cache of
-# another release (`_check_jit_cache_version` in flashinfer/jit/env.py).
-FLASHINFER_VERSION_CHECK_ENV = "FLASHINFER_DISABLE_VERSION_CHECK"
 # FlashInfer's kernel modules, as flashinfer/jit/comm.py names them.
 MNNVL_MODULE = "trtllm_mnnvl_comm"
 
@@ -122,12 +118,10 @@ class FiArBackendDecision:
 def installed_kernels() -> tuple[tuple[str, str], ...]:
     """The FlashInfer packages installed here whose kernels may run.
 
-    flashinfer-python, and a flashinfer-jit-cache shim with the providers it
-    lists, unless FlashInfer's version check is on and the shim is of
-    another release, which FlashInfer then ignores (`_get_aot_providers`
-    in flashinfer/jit/env.py). Which provider serves which module is
-    FlashInfer's business: every one counts, so the oldest can only keep a
-    workaround, never drop one.
+    flashinfer-python, a flashinfer-jit-cache shim and each provider it
+    lists. Which of them FlashInfer loads a module from is its own rule
+    (flashinfer/jit/env.py): every one counts, so the oldest can only keep
+    a workaround that FlashInfer's choice would not need, never drop one.
     """
     try:
         kernels = [("flashinfer-python", version("flashinfer-python"))]
@@ -135,28 +129,17 @@ def installed_kernels() -> tuple[tuple[str, str], ...]:
         return ()
     try:
         shim = importlib.import_module("flashinfer_jit_cache")
-        shim_release = str(shim.__version__)
+        kernels.append(("flashinfer-jit-cache", str(shim.__version__)))
     except Exception:
         return tuple(kernels)
-    if os.getenv(FLASHINFER_VERSION_CHECK_ENV) or _same_release(
-        shim_release, kernels[0][1]
-    ):
-        kernels.append(("flashinfer-jit-cache", shim_release))
-        try:
-            providers = list(shim.get_jit_cache_providers())
-        except Exception:
-            providers = [None]
-        for provider in providers:
-            name = getattr(provider, "distribution", "a jit-cache provider")
-            kernels.append((str(name), str(getattr(provider, "version", "?"))))
-    return tuple(kernels)
-
-
-def _same_release(first: str, second: str) -> bool:
     try:
-        return Version(first).public == Version(second).public
-    except InvalidVersion:
-        return False
+        providers = list(shim.get_jit_cache_providers())
+    except Exception:
+        providers = [None]
+    for provider in providers:
+        name = getattr(provider, "distribution", "a jit-cache provider")
+        kernels.append((str(name), str(getattr(provider, "version", "?"))))
+    return tuple(kernels)
 
 
 def kernel_release(inputs: FiArBackendInputs) -> tuple[Version | None, str]:
