@@ -126,6 +126,8 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
             {"name": "no-multicast", "multicast": False},
             {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True},
             {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
+            {"name": "fp16", "dtype": "float16"},
+            {"name": "fp16-explicit-mnnvl", "dtype": "float16", "env": {ENV: "mnnvl"}},
             {"name": "mnnvl-fails-on-rank-1", "per_rank": {"1": {"fail": ["mnnvl"]}}},
             {
                 "name": "hisparse-trtllm-fails-on-rank-1",

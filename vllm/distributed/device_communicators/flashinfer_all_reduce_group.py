@@ -148,18 +148,19 @@ def _bounded_channels(group: ProcessGroup) -> dict[str, ProcessGroup]:
 
     Made at every group's agreement, whatever its outcome: torch names
     groups by a per-process counter, so processes that made different
-    numbers of groups would hang in any later new_group.
+    numbers of groups would hang in any later new_group. A one-rank group
+    needs none (and must not be held by its own entry in `_groups`).
     """
     channels = {}
     for backend in BACKEND_KERNEL_LOADERS:
-        channel: ProcessGroup | int = group
-        if dist.get_world_size(group) > 1:
-            channel = dist.new_group(
-                list(_ranks(group)),
-                backend="gloo",
-                timeout=timedelta(seconds=FI_AR_CREATE_TIMEOUT_S),
-                use_local_synchronization=True,
-            )
+        if dist.get_world_size(group) == 1:
+            break
+        channel = dist.new_group(
+            list(_ranks(group)),
+            backend="gloo",
+            timeout=timedelta(seconds=FI_AR_CREATE_TIMEOUT_S),
+            use_local_synchronization=True,
+        )
         assert isinstance(channel, ProcessGroup)
         channels[backend] = channel
     return channels
@@ -340,7 +341,7 @@ def create_on_every_rank(
             ranks,
         )
         return None
-    channel = state.channels[backend]
+    channel = state.channels.get(backend, group)
     comm_backend = _CreationCommBackend(backend_type, channel, group)
     started = time.perf_counter()
     try:
