@@ -29,8 +29,8 @@ from pathlib import Path
 import pytest
 import tree_imports
 
-# The explain command, by its launcher or by the module it starts.
-EXPLAIN = re.compile(r"explain_flashinfer_all_reduce|flashinfer_all_reduce_report")
+# The explain command.
+EXPLAIN = re.compile(r"explain_flashinfer_all_reduce")
 # The variables explain reads; an example that needs one sets it itself.
 EXPLAIN_ENV = (
     "VLLM_FLASHINFER_ALLREDUCE_BACKEND",

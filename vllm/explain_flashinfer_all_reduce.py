@@ -1,81 +1,263 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Patch: added by the downstream HiSparse fix (vllm#64327), beside the replaced
-#  distributed/device_communicators/flashinfer_all_reduce.py. Goes away with
-#  that file.
-"""The command that explains vLLM's FlashInfer all-reduce choice.
+# Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
+#  goes away with it.
+"""Which FlashInfer all-reduce backend vLLM would use, and why.
 
-    python -m vllm.explain_flashinfer_all_reduce --help
+    python -m vllm.explain_flashinfer_all_reduce -tp 8 --hisparse
 
-The explanation lives in
-`vllm.distributed.device_communicators.flashinfer_all_reduce_report`; this
-module starts it from where importing loads nothing of torch or vLLM.
-Running a module inside `vllm.distributed` imports that package first, and
-the import logs torch's notices before any code of the module runs.
+The answer is start-up's own `decide_fi_ar_backend`; torch and vLLM load
+only once the flags parse, so `--help` and usage errors stay quick.
 """
 
-import logging
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
 import sys
-from types import TracebackType
+from collections.abc import Iterator
+from typing import Any
 
-# The loggers whose records are held: the root logger (vLLM's and
-# FlashInfer's records reach it while vLLM has not configured logging),
-# and vLLM's and torch's own.
-HELD_LOGGERS = ("", "vllm", "torch")
-# How a held error is written to stderr once explain ends.
-HELD_RECORD_FORMAT = "%(levelname)s %(name)s: %(message)s"
+POLICY = "vllm.distributed.device_communicators.flashinfer_all_reduce_policy"
+ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+# The policy's FI_AR_BACKEND_CHOICES and FI_AR_DTYPES (a test holds them
+# equal): importing the policy from here would load torch before parsing.
+BACKENDS = ("auto", "trtllm", "mnnvl")
+DTYPES = ("float16", "bfloat16", "float32")
+SIZE_TABLE = "FI_ALLREDUCE_FUSION_MAX_SIZE_MB"
 
 
-class ErrorsOnly(logging.Handler):
-    """While explain runs, keep torch's and vLLM's logs to their errors.
+class UsageError(Exception):
+    pass
 
-    explain answers for a deployment, not for the machine it runs on. What
-    torch and vLLM log while they load here (deprecations of this torch,
-    kernels this machine lacks) would bury a one-line usage error or the
-    answer, so records below ERROR are dropped. Errors are held and written
-    to stderr when explain ends, in order: not through vLLM's handler, which
-    writes to stdout, where the answer (with --json, one JSON document) is.
-    """
 
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-        self._saved: list[tuple[logging.Logger, list[logging.Handler], bool]] = []
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        raise UsageError(message)
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
-    def __enter__(self) -> "ErrorsOnly":
-        for name in HELD_LOGGERS:
-            logger = logging.getLogger(name)
-            self._saved.append((logger, logger.handlers, logger.propagate))
-            logger.handlers, logger.propagate = [self], False
-        return self
+def _capability(text: str) -> int:
+    """10.0, sm100 or 100 as vLLM's `<major><minor>` integer."""
+    match = re.fullmatch(r"(\d+)\.(\d)|(?:sm_?)?(\d+)", text.strip().lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not like 10.0, sm100 or 100")
+    major, minor, whole = match.groups()
+    return int(whole) if whole else int(major) * 10 + int(minor)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        for logger, handlers, propagate in reversed(self._saved):
-            logger.handlers, logger.propagate = handlers, propagate
-        self._saved.clear()
-        to_stderr = logging.StreamHandler(sys.stderr)
-        to_stderr.setFormatter(logging.Formatter(HELD_RECORD_FORMAT))
-        for record in self.records:
-            to_stderr.handle(record)
-        self.records.clear()
+
+def _release(text: str) -> str:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return str(Version(text))
+    except InvalidVersion:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a PEP 440 release") from None
+
+
+EPILOG = f"""\
+defaults: --backend is {ENV}, else auto.
+-tp is unknown, taken to be a size vLLM's {SIZE_TABLE}
+has (it cannot be read without CUDA ops). --capability is this machine's GPU,
+else unknown. --flashinfer-version is the installed kernels. --dtype is
+bfloat16, the dtype of most models; only float16 changes the answer.
+--fabric is unknown: start-up probes it on multi-node groups, and explain
+assumes one. Exit 1 where start-up fails, 2 on a usage error."""
+
+
+def _parser() -> Parser:
+    p = Parser(
+        prog="python -m vllm.explain_flashinfer_all_reduce",
+        description="Explain vLLM's FlashInfer all-reduce backend for a\n"
+        "deployment, with start-up's own decision. Needs no GPU.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add = p.add_argument
+    add("--nnodes", type=int, default=1, metavar="N", help="nodes the TP group spans")
+    add("-tp", "--tensor-parallel-size", type=int, metavar="N", help="TP size")
+    add("--capability", type=_capability, metavar="CC", help="10.0, sm100 or 100")
+    add("--backend", choices=BACKENDS, help=f"the {ENV} setting")
+    add("--hisparse", action="store_true", help="HiSparse is on")
+    add("--kv-transfer-config", metavar="JSON", help="as given to vllm serve")
+    add("--flashinfer-version", type=_release, metavar="V", help="(the installed)")
+    add("--dtype", choices=DTYPES, default="bfloat16", help="of the workspace")
+    add("--no-multicast", action="store_true", help="no NVSwitch multicast")
+    add("--fabric", action=argparse.BooleanOptionalAction, help="NVLink fabric")
+    add("--json", action="store_true", help="print one JSON document")
+    return p
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked before anything of torch or vLLM loads."""
+    args = _parser().parse_args(argv)
+    args.backend = args.backend or os.environ.get(ENV) or "auto"
+    if args.backend not in BACKENDS:
+        raise UsageError(f"{ENV}={args.backend!r}: expected one of {BACKENDS}")
+    if args.nnodes < 1:
+        raise UsageError("--nnodes must be at least 1")
+    tp = args.tensor_parallel_size
+    if tp is not None and tp < args.nnodes:
+        raise UsageError(f"-tp {tp} cannot span --nnodes {args.nnodes}")
+    return args
+
+
+def _kv_hisparse(text: str) -> bool:
+    """Parsed by vLLM's own option parser; each connector is looked up in
+    vLLM's factory, as start-up does; HiSparse as VllmConfig decides it."""
+    from dataclasses import dataclass
+
+    from vllm.config.kv_transfer import KVTransferConfig, hisparse_host_pool_gib
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.engine.arg_utils import get_kwargs
+
+    @dataclass
+    class Options:
+        kv_transfer_config: KVTransferConfig | None = None
+
+    try:
+        config = get_kwargs(Options)["kv_transfer_config"]["type"](text)
+        children = config.kv_connector_extra_config.get("connectors", [])
+        if config.kv_connector == "MultiConnector":
+            for child in children:
+                KVConnectorFactory.get_connector_class(KVTransferConfig(**child))
+        else:
+            KVConnectorFactory.get_connector_class(config)
+        hisparse_host_pool_gib(config)
+    except (ValueError, TypeError, AttributeError, argparse.ArgumentTypeError) as e:
+        message = " ".join(str(e).split())
+        raise UsageError(f"invalid --kv-transfer-config: {message}") from None
+    return config.has_connector("HiSparseConnector")
+
+
+def _answer(args: argparse.Namespace) -> dict[str, Any]:
+    """Start-up's decision for the flags, with what explain had to assume."""
+    import importlib
+
+    policy = importlib.import_module(POLICY)
+    hisparse = args.hisparse
+    if args.kv_transfer_config is not None:
+        hisparse = _kv_hisparse(args.kv_transfer_config) or hisparse
+    capability = args.capability
+    if capability is None:
+        from vllm.platforms import current_platform
+
+        found = current_platform.get_device_capability()
+        capability = found.to_int() if found is not None else None
+    kernels = policy.installed_kernels()
+    if args.flashinfer_version is not None:
+        kernels = (("flashinfer-python", args.flashinfer_version),)
+    inputs = policy.FiArBackendInputs(
+        setting=args.backend,
+        node_count=args.nnodes,
+        device_capability=capability,
+        hisparse=hisparse,
+        kernels=kernels,
+        dtype=args.dtype,
+        multicast=False if args.no_multicast else None,
+        fabric=args.fabric,
+    )
+    decision = policy.decide_fi_ar_backend(inputs)
+    backend, reason, state = decision.backend, decision.reason, "on"
+    tp = args.tensor_parallel_size
+    if tp == 1:
+        backend, reason = None, "a TP group of one rank has no all-reduce"
+    if backend is None:
+        state = "off"
+    elif backend == "trtllm" and args.nnodes > 1:
+        state = "start-up fails"
+        reason += (
+            f"; get_fi_ar_workspace raises ValueError: trtllm cannot span "
+            f"{args.nnodes} nodes"
+        )
+    issue = decision.known_issue if tp != 1 else None
+    assumed = []
+    if state == "on":
+        tp_text = f"TP {tp}" if tp else "the TP size"
+        assumed.append(
+            f"{SIZE_TABLE} has {tp_text} for this GPU (reading it needs CUDA ops)"
+        )
+    if backend == "mnnvl" and args.nnodes > 1 and args.fabric is None:
+        assumed.append("every rank has an NVLink fabric (start-up probes it)")
+    if backend == "mnnvl" and not args.no_multicast:
+        assumed.append("the node has NVSwitch multicast (start-up checks it)")
+    if capability is None and args.nnodes > 1:
+        assumed.append("the GPU is unknown, so not Blackwell (give --capability)")
+    return {
+        "backend": backend,
+        "state": state,
+        "reason": reason,
+        "known_issue": issue
+        and {k: v for k, v in vars(issue).items() if not callable(v)},
+        "assumed": assumed,
+        "inputs": {**dataclasses.asdict(inputs), "tensor_parallel_size": tp},
+    }
+
+
+def _override(answer: dict[str, Any]) -> str | None:
+    """How an operator gets the other choice, where there is one."""
+    issue, setting = answer["known_issue"], answer["inputs"]["setting"]
+    if answer["state"] == "start-up fails":
+        return f"{ENV}=mnnvl (Blackwell with an NVLink fabric) or auto"
+    if issue is not None and setting == "auto":
+        return f"{ENV}={issue['backend']} is obeyed, and hits {issue['name']}"
+    if issue is not None:
+        return f"{ENV}=auto steers around {issue['name']}"
+    return None
+
+
+def _text(answer: dict[str, Any]) -> str:
+    first = answer["backend"] or "off"
+    if answer["state"] == "start-up fails":
+        first += " (start-up fails)"
+    lines = [f"FlashInfer all-reduce backend: {first}", f"  why: {answer['reason']}"]
+    if (issue := answer["known_issue"]) is not None:
+        links = f" ({', '.join(issue['links'])})" if issue["links"] else ""
+        what = f"{issue['backend']} {issue['effect']}{links}"
+        lines.append(f"  known issue: {issue['name']}: {what}")
+        fixed = issue["fixed_in"]
+        lines.append(
+            f"  fix: FlashInfer {fixed}; in this build's source tree: "
+            f"pip install -C flashinfer={fixed} ."
+            if fixed
+            else "  fix: none released yet"
+        )
+    if (override := _override(answer)) is not None:
+        lines.append(f"  override: {override}")
+    lines += [f"  assumed: {what}" for what in answer["assumed"]]
+    inputs = dict(answer["inputs"])
+    inputs["kernels"] = ", ".join(" ".join(k) for k in inputs["kernels"]) or None
+    shown = "; ".join(f"{k}={'unknown' if v is None else v}" for k, v in inputs.items())
+    return "\n".join([*lines, f"  inputs: {shown}"])
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """vLLM's logger writes to stdout: keep the answer alone there."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run explain with torch's and vLLM's logs kept to their errors."""
-    with ErrorsOnly():
-        from vllm.distributed.device_communicators import (
-            flashinfer_all_reduce_report as report,
-        )
-
-        return report.main(argv)
+    """0 with an answer, 1 where start-up fails, 2 on a usage error."""
+    try:
+        args = _parse(argv)
+        with _stdout_to_stderr():
+            answer = _answer(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(answer, indent=2) if args.json else _text(answer))
+    return 1 if answer["state"] == "start-up fails" else 0
 
 
 if __name__ == "__main__":
