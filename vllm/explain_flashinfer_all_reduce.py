@@ -2,13 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
 #  goes away with it.
-"""Which FlashInfer all-reduce backend vLLM would use, and why.
-
-    python -m vllm.explain_flashinfer_all_reduce -tp 8 --hisparse
-
-The answer is start-up's own `decide_fi_ar_backend`; torch and vLLM load
-only once the flags parse, so `--help` and usage errors stay quick.
-"""
+"""Which FlashInfer all-reduce backend vLLM would use, and why: start-up's
+own `decide_fi_ar_backend`. Nothing of torch or vLLM loads here before the
+flags parse."""
 
 import argparse
 import contextlib
@@ -20,7 +16,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from packaging.version import Version
+
 POLICY = "vllm.distributed.device_communicators.flashinfer_all_reduce_policy"
+GROUP = "vllm.distributed.device_communicators.flashinfer_all_reduce_group"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 # The policy's FI_AR_BACKEND_CHOICES and FI_AR_DTYPES (a test holds them
 # equal): importing the policy from here would load torch before parsing.
@@ -47,23 +46,14 @@ def _capability(text: str) -> int:
     return int(whole) if whole else int(major) * 10 + int(minor)
 
 
-def _release(text: str) -> str:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return str(Version(text))
-    except InvalidVersion:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a PEP 440 release") from None
-
-
 EPILOG = f"""\
-defaults: --backend is {ENV}, else auto.
--tp is unknown, taken to be a size vLLM's {SIZE_TABLE}
-has (it cannot be read without CUDA ops). --capability is this machine's GPU,
-else unknown. --flashinfer-version is the installed kernels. --dtype is
-bfloat16, the dtype of most models; only float16 changes the answer.
---fabric is unknown: start-up probes it on multi-node groups, and explain
-assumes one. Exit 1 where start-up fails, 2 on a usage error."""
+defaults: --backend is {ENV}, else auto; --capability this machine's GPU;
+--flashinfer-version the installed kernels; --dtype bfloat16 (only float16
+changes the answer). explain assumes what start-up finds out: that
+{SIZE_TABLE} has the TP size (it cannot be read without CUDA ops),
+and that the GPUs have NVSwitch multicast and an NVLink fabric unless
+--no-multicast or --no-fabric. Exit 1 where start-up fails, 2 on a usage
+error."""
 
 
 def _parser() -> Parser:
@@ -82,7 +72,7 @@ def _parser() -> Parser:
     add("--backend", choices=BACKENDS, help=f"the {ENV} setting")
     add("--hisparse", action="store_true", help="HiSparse is on")
     add("--kv-transfer-config", metavar="JSON", help="as given to vllm serve")
-    add("--flashinfer-version", type=_release, metavar="V", help="(the installed)")
+    add("--flashinfer-version", type=Version, metavar="V", help="a release")
     add("--dtype", choices=DTYPES, default="bfloat16", help="of the workspace")
     add("--no-multicast", action="store_true", help="no NVSwitch multicast")
     add("--fabric", action=argparse.BooleanOptionalAction, help="NVLink fabric")
@@ -142,13 +132,10 @@ def _answer(args: argparse.Namespace) -> dict[str, Any]:
         hisparse = _kv_hisparse(args.kv_transfer_config) or hisparse
     capability = args.capability
     if capability is None:
-        from vllm.platforms import current_platform
-
-        found = current_platform.get_device_capability()
-        capability = found.to_int() if found is not None else None
+        capability = importlib.import_module(GROUP).device_capability()
     kernels = policy.installed_kernels()
     if args.flashinfer_version is not None:
-        kernels = (("flashinfer-python", args.flashinfer_version),)
+        kernels = (("flashinfer-python", str(args.flashinfer_version)),)
     inputs = policy.FiArBackendInputs(
         setting=args.backend,
         node_count=args.nnodes,
@@ -162,8 +149,6 @@ def _answer(args: argparse.Namespace) -> dict[str, Any]:
     decision = policy.decide_fi_ar_backend(inputs)
     backend, reason, state = decision.backend, decision.reason, "on"
     tp = args.tensor_parallel_size
-    if tp == 1:
-        backend, reason = None, "a TP group of one rank has no all-reduce"
     if backend is None:
         state = "off"
     elif backend == "trtllm" and args.nnodes > 1:
@@ -172,19 +157,16 @@ def _answer(args: argparse.Namespace) -> dict[str, Any]:
             f"; get_fi_ar_workspace raises ValueError: trtllm cannot span "
             f"{args.nnodes} nodes"
         )
-    issue = decision.known_issue if tp != 1 else None
+    issue = decision.known_issue
     assumed = []
     if state == "on":
         tp_text = f"TP {tp}" if tp else "the TP size"
         assumed.append(
             f"{SIZE_TABLE} has {tp_text} for this GPU (reading it needs CUDA ops)"
         )
-    if backend == "mnnvl" and args.nnodes > 1 and args.fabric is None:
-        assumed.append("every rank has an NVLink fabric (start-up probes it)")
-    if backend == "mnnvl" and not args.no_multicast:
-        assumed.append("the node has NVSwitch multicast (start-up checks it)")
-    if capability is None and args.nnodes > 1:
-        assumed.append("the GPU is unknown, so not Blackwell (give --capability)")
+    if backend == "mnnvl":
+        fabric = " and an NVLink fabric" if args.nnodes > 1 and not args.fabric else ""
+        assumed.append(f"NVSwitch multicast{fabric}, which start-up checks")
     return {
         "backend": backend,
         "state": state,
@@ -194,18 +176,6 @@ def _answer(args: argparse.Namespace) -> dict[str, Any]:
         "assumed": assumed,
         "inputs": {**dataclasses.asdict(inputs), "tensor_parallel_size": tp},
     }
-
-
-def _override(answer: dict[str, Any]) -> str | None:
-    """How an operator gets the other choice, where there is one."""
-    issue, setting = answer["known_issue"], answer["inputs"]["setting"]
-    if answer["state"] == "start-up fails":
-        return f"{ENV}=mnnvl (Blackwell with an NVLink fabric) or auto"
-    if issue is not None and setting == "auto":
-        return f"{ENV}={issue['backend']} is obeyed, and hits {issue['name']}"
-    if issue is not None:
-        return f"{ENV}=auto steers around {issue['name']}"
-    return None
 
 
 def _text(answer: dict[str, Any]) -> str:
@@ -218,14 +188,10 @@ def _text(answer: dict[str, Any]) -> str:
         what = f"{issue['backend']} {issue['effect']}{links}"
         lines.append(f"  known issue: {issue['name']}: {what}")
         fixed = issue["fixed_in"]
+        fix = f"in this build's source tree: pip install -C flashinfer={fixed} ."
         lines.append(
-            f"  fix: FlashInfer {fixed}; in this build's source tree: "
-            f"pip install -C flashinfer={fixed} ."
-            if fixed
-            else "  fix: none released yet"
+            f"  fix: FlashInfer {fixed}; {fix}" if fixed else "  fix: none yet"
         )
-    if (override := _override(answer)) is not None:
-        lines.append(f"  override: {override}")
     lines += [f"  assumed: {what}" for what in answer["assumed"]]
     inputs = dict(answer["inputs"])
     inputs["kernels"] = ", ".join(" ".join(k) for k in inputs["kernels"]) or None

@@ -90,7 +90,6 @@ def test_hisparse_on_one_node(release, backend, issue):
     if issue:
         assert f"  known issue: {issue}: mnnvl crashes with HiSparse" in proc.stdout
         assert f"  fix: FlashInfer 0.7.4; in this build's source tree: {FIX}" in lines
-        assert f"  override: {ENV}=mnnvl is obeyed, and hits {issue}" in lines
     else:
         assert "known issue" not in proc.stdout and "fix:" not in proc.stdout
 
@@ -168,10 +167,9 @@ def test_backend_comes_from_the_environment_unless_given():
     assert got["inputs"]["setting"] == "auto"
 
 
-def test_no_multicast_and_one_rank():
+def test_no_multicast():
     got = answer("-tp", "8", "--capability", "10.0", "--no-multicast")
     assert (got["backend"], got["inputs"]["multicast"]) == ("trtllm", False)
-    assert answer("-tp", "1", "--capability", "10.0")["state"] == "off"
 
 
 @pytest.mark.parametrize(
@@ -254,7 +252,7 @@ def _no_heavy_imports(stderr: str) -> list[str]:
     [
         (["--nnodes", "0"], {}, "--nnodes must be at least 1"),
         (["-tp", "2", "--nnodes", "4"], {}, "-tp 2 cannot span --nnodes 4"),
-        (["--flashinfer-version", "new"], {}, "not a PEP 440 release"),
+        (["--flashinfer-version", "new"], {}, "invalid Version value"),
         (["--capability", "blackwell"], {}, "is not like 10.0"),
         (["--backend", "nccl"], {}, "invalid choice"),
         (["--dtype", "int8"], {}, "invalid choice"),

@@ -41,10 +41,9 @@ logger = init_logger(__name__)
 # seconds. Between two of them a healthy rank only allocates and maps
 # memory; kernels are loaded before. vLLM's own gloo groups wait 30 min.
 FI_AR_CREATE_TIMEOUT_S = 300
-# The loader of each backend's kernel modules (functools.cache'd in
-# flashinfer-python 0.7.2.post1 and 0.7.4). trtllm's creation calls its
-# own between two collectives (`trtllm_lamport_initialize` in
-# flashinfer/comm/trtllm_ar.py); mnnvl calls its own at the first all-reduce.
+# Each backend's kernel loader (functools.cache'd in flashinfer-python
+# 0.7.2.post1 and 0.7.4); trtllm's creation calls its own between two
+# collectives (`trtllm_lamport_initialize` in flashinfer/comm/trtllm_ar.py).
 BACKEND_KERNEL_LOADERS = {
     "trtllm": ("flashinfer.comm.trtllm_ar", "get_trtllm_comm_module"),
     "mnnvl": ("flashinfer.comm.trtllm_mnnvl_ar", "get_trtllm_mnnvl_comm_module"),
@@ -52,8 +51,7 @@ BACKEND_KERNEL_LOADERS = {
 # A decision travels as 3 bits per dtype key: backend index * 2 + fallback.
 _BACKENDS = (None, "trtllm", "mnnvl")
 _DTYPE_KEYS = (None, *FI_AR_DTYPES)
-_DECISION_BITS = 3 * len(_DTYPE_KEYS)
-_NO_FABRIC = 1 << _DECISION_BITS
+_NO_FABRIC = 1 << 3 * len(_DTYPE_KEYS)
 # The collectives of FlashInfer's CommBackend (flashinfer/comm/comm_backend.py).
 _COLLECTIVES = ("allgather", "bcast", "barrier")
 # How a rank's part of a creation ended; the rest of its code counts
@@ -72,8 +70,8 @@ class _Group:
     failed: set[str] = dataclasses.field(default_factory=set)
 
 
-# Held weakly: a strong reference would keep each destroyed group's gloo
-# threads and sockets alive across re-initialisations (repeated LLM()).
+# Held weakly, or destroyed groups' gloo threads and sockets would outlive
+# each re-initialisation (repeated LLM()).
 _groups: weakref.WeakKeyDictionary[ProcessGroup, _Group] = weakref.WeakKeyDictionary()
 _node_counts: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 
@@ -86,11 +84,8 @@ def group_node_count(group: ProcessGroup) -> int:
 
 
 def hisparse_enabled() -> bool | None:
-    """Whether HiSparse, whose host gathers set off flashinfer#7782, is on.
-
-    vLLM infers `hisparse_config` from a HiSparseConnector, also inside a
-    MultiConnector. None without a current vLLM config: unknown.
-    """
+    """vLLM sets `hisparse_config` for a HiSparseConnector, also inside a
+    MultiConnector; None without a current vLLM config: unknown."""
     config = get_current_vllm_config_or_none()
     if config is None:
         return None
@@ -143,13 +138,11 @@ def _describe(code: int) -> str:
 
 def _bounded_channels(group: ProcessGroup) -> dict[str, ProcessGroup]:
     """Per backend, a gloo group of `group`'s ranks whose collectives time out
-    at the bound: a rank that fails leaves the others waiting in that group
-    only, and only the backend that failed is given up.
+    at the bound, so a rank that fails leaves the others waiting there only.
 
     Made at every group's agreement, whatever its outcome: torch names
     groups by a per-process counter, so processes that made different
-    numbers of groups would hang in any later new_group. A one-rank group
-    needs none (and must not be held by its own entry in `_groups`).
+    numbers of groups would hang in any later new_group.
     """
     channels = {}
     for backend in BACKEND_KERNEL_LOADERS:
@@ -177,41 +170,36 @@ def _decide_every_dtype(
 
 
 def _agree(group: ProcessGroup) -> _Group:
-    """Decide for every workspace dtype and agree, in one round.
+    """Decide for every workspace dtype and agree, in one round that also
+    carries each rank's NVLink fabric probe where mnnvl would span nodes.
 
     Ranks can see different inputs (the variable set on one node only), and
-    ranks that create different workspaces hang; so any disagreement turns
-    FlashInfer all-reduce off. The round also carries each rank's NVLink
-    fabric probe, which mnnvl needs on every rank of a multi-node group.
+    ranks that create different workspaces hang: disagreeing, they are off.
     """
-    config_hisparse = hisparse_enabled()
-    if config_hisparse is None:
-        logger.warning_once(
-            "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
-            "on, the choice that cannot crash."
-        )
     inputs = FiArBackendInputs(
         setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
         node_count=group_node_count(group),
         device_capability=device_capability(),
-        hisparse=config_hisparse,
+        hisparse=hisparse_enabled(),
         kernels=installed_kernels(),
     )
+    if inputs.hisparse is None:
+        logger.warning_once(
+            "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
+            "on, the choice that cannot crash."
+        )
     decisions = _decide_every_dtype(inputs)
     code = _encode(decisions)
-    spans = inputs.node_count > 1
-    if spans and "mnnvl" in {d.backend for d in decisions.values()}:
+    if inputs.node_count > 1 and "mnnvl" in {d.backend for d in decisions.values()}:
         code |= 0 if nvlink_fabric() else _NO_FABRIC
     channels = _bounded_channels(group)
     codes = gather_codes(group, code)
     ranks = _ranks(group)
-    mask = (1 << _DECISION_BITS) - 1
-    if len({c & mask for c in codes}) > 1:
-        first = next(
-            i
-            for i in range(len(_DTYPE_KEYS))
-            if len({c >> 3 * i & 7 for c in codes}) > 1
-        )
+    differ = [
+        i for i in range(len(_DTYPE_KEYS)) if len({c >> 3 * i & 7 for c in codes}) > 1
+    ]
+    if differ:
+        first = differ[0]
         views = ", ".join(
             f"rank {rank}: {_describe(c >> 3 * first)}"
             for rank, c in zip(ranks, codes, strict=True)
@@ -242,16 +230,11 @@ def _agree(group: ProcessGroup) -> _Group:
 def _log_decision(who: str, decision: FiArBackendDecision, reason: str) -> None:
     """The start-up line; a warning where a setting runs into a known issue."""
     issue = decision.known_issue
-    if issue is not None and issue.backend == decision.backend:
-        logger.warning_once(
-            "FlashInfer all-reduce backend for %s: %s (%s). Unset %s to let vLLM "
-            "pick a safe backend.",
-            *(who, decision.backend, reason, FI_AR_BACKEND_ENV),
-        )
-        return
-    logger.info_once(
-        "FlashInfer all-reduce backend for %s: %s (%s)",
+    warn = issue is not None and issue.backend == decision.backend
+    (logger.warning_once if warn else logger.info_once)(
+        "FlashInfer all-reduce backend for %s: %s (%s)%s",
         *(who, decision.backend or "off", reason),
+        f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." if warn else "",
     )
 
 
@@ -319,11 +302,10 @@ def create_on_every_rank(
     release: Callable[[Any], None],
     backend_type: type,
 ) -> Any | None:
-    """Run `create(comm_backend)` (this rank's part of a creation, None on
-    failure) so that every rank of `group` keeps the workspace or none does,
-    within FI_AR_CREATE_TIMEOUT_S once the kernels are loaded. `release`
-    destroys a workspace that another rank failed to create. A backend that
-    failed for a group is not tried again."""
+    """Run `create(comm_backend)`, this rank's part (None on failure), so that
+    every rank of `group` keeps the workspace or none does, within
+    FI_AR_CREATE_TIMEOUT_S once the kernels are loaded; `release` destroys
+    it where another rank failed. A failed backend is not tried again."""
     state = _groups[group]
     ranks = _ranks(group)
     if backend in state.failed:
