@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import tree_imports
 from fi_ar_utils import (
-    GROUP_MODULE,
     ENV,
+    GROUP_MODULE,
     build_config,
     every_rank,
     namespaces_unavailable,
@@ -347,7 +347,7 @@ def test_workspace_failure_on_one_of_two_ranks_is_released_on_the_other(one_node
         lines = [m for m in r["messages"] if "every rank gave it up" in m]
         assert len(lines) == 1
         assert lines[0].startswith(
-            "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1) "
+            "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): "
             "failed on rank 1 (see the log there); every rank gave it up"
         )
         assert r["log"].count("create:trtllm") == 1

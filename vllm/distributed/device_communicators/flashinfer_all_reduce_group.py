@@ -4,14 +4,12 @@
 #  goes away with it.
 """The FlashInfer all-reduce backend of a process group, and its workspaces.
 
-Creating a workspace is collective, so every rank of a group must take the
-same path. The ranks agree on the backend once per group, and each creation
-ends the same way on every rank within FI_AR_CREATE_TIMEOUT_S.
-"""
+Creating a workspace is collective, so the ranks of a group agree on the
+backend once, and each creation ends the same way on every rank in bounded
+time."""
 
 import dataclasses
 import importlib
-import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -87,9 +85,9 @@ def hisparse_enabled() -> bool | None:
     """vLLM sets `hisparse_config` for a HiSparseConnector, also inside a
     MultiConnector; None without a current vLLM config: unknown."""
     config = get_current_vllm_config_or_none()
-    if config is None:
-        return None
-    return config.attention_config.hisparse_config is not None
+    return (
+        None if config is None else config.attention_config.hisparse_config is not None
+    )
 
 
 def device_capability() -> int | None:
@@ -307,25 +305,33 @@ def create_on_every_rank(
     FI_AR_CREATE_TIMEOUT_S once the kernels are loaded; `release` destroys
     it where another rank failed. A failed backend is not tried again."""
     state = _groups[group]
-    ranks = _ranks(group)
     if backend in state.failed:
         return None
+    workspace, failure = _create_and_vote(group, backend, create, backend_type)
+    if failure is None:
+        return workspace
+    if workspace is not None:
+        release(workspace)
+    state.failed.add(backend)
+    logger.warning_once(
+        "FlashInfer %s all-reduce workspace for ranks %s: %s; every rank gave it up.",
+        *(backend, _ranks(group), failure),
+    )
+    return None
+
+
+def _create_and_vote(
+    group: ProcessGroup, backend: str, create: Callable[[Any], Any], backend_type: type
+) -> tuple[Any | None, str | None]:
+    """This rank's workspace, and why the group gives it up, if it does."""
+    ranks = _ranks(group)
     error = _load_kernels(backend)
     loaded = gather_codes(group, int(error is not None))
     if any(loaded):
-        state.failed.add(backend)
-        logger.warning_once(
-            "FlashInfer's %s all-reduce kernels failed to load on %s%s; "
-            "no rank of %s creates its workspace.",
-            backend,
-            _some([r for r, c in zip(ranks, loaded, strict=True) if c]),
-            f" ({error})" if error else "",
-            ranks,
-        )
-        return None
-    channel = state.channels.get(backend, group)
+        where = _some([r for r, c in zip(ranks, loaded, strict=True) if c])
+        return None, f"{where} could not load its kernels ({error or 'see there'})"
+    channel = _groups[group].channels.get(backend, group)
     comm_backend = _CreationCommBackend(backend_type, channel, group)
-    started = time.perf_counter()
     try:
         workspace = create(comm_backend)
     finally:
@@ -334,24 +340,9 @@ def create_on_every_rank(
     status = _WAITED if comm_backend.waited else status
     codes = gather_codes(group, status | comm_backend.steps << 2)
     if not any(code & 3 for code in codes):
-        return workspace
-    if workspace is not None:
-        release(workspace)
-    state.failed.add(backend)
+        return workspace, None
+    if failed := [r for r, c in zip(ranks, codes, strict=True) if c & 3 == _FAILED]:
+        return workspace, f"failed on {_some(failed)} (see the log there)"
     steps = [code >> 2 for code in codes]
-    failed = [r for r, c in zip(ranks, codes, strict=True) if c & 3 == _FAILED]
-    late = [r for r, s in zip(ranks, steps, strict=True) if s == min(steps)]
-    what = (
-        f"failed on {_some(failed)} (see the log there)"
-        if failed
-        else f"failed: {_some(late)} did not answer within {FI_AR_CREATE_TIMEOUT_S} s"
-    )
-    logger.warning_once(
-        "FlashInfer %s all-reduce workspace for ranks %s %s; every rank gave it "
-        "up (after %.1f s here).",
-        backend,
-        ranks,
-        what,
-        time.perf_counter() - started,
-    )
-    return None
+    late = [r for r, step in zip(ranks, steps, strict=True) if step == min(steps)]
+    return workspace, f"{_some(late)} did not answer within {FI_AR_CREATE_TIMEOUT_S} s"
