@@ -29,7 +29,7 @@ SIZE_TABLE = "FI_ALLREDUCE_FUSION_MAX_SIZE_MB"
 
 
 class UsageError(Exception):
-    pass
+    """Printed as one line, exit status 2."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -88,9 +88,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"{ENV}={args.backend!r}: expected one of {BACKENDS}")
     if args.nnodes < 1:
         raise UsageError("--nnodes must be at least 1")
-    tp = args.tensor_parallel_size
-    if tp is not None and tp < args.nnodes:
-        raise UsageError(f"-tp {tp} cannot span --nnodes {args.nnodes}")
     return args
 
 

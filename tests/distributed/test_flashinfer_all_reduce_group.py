@@ -16,13 +16,11 @@ import pytest
 from fi_ar_utils import (
     ENV,
     GROUP_MODULE,
-    CollectiveCounter,
     every_rank,
     namespaces_unavailable,
     pin_gpu,
     run_group,
     run_reinit,
-    workspace_args,
     write_synthetic_flashinfer,
 )
 
@@ -31,14 +29,6 @@ from vllm.config import set_current_vllm_config
 
 def _startup_lines(r: dict[str, Any]) -> list[str]:
     return [m for m in r["messages"] if "all-reduce backend for ranks" in m]
-
-
-def test_a_one_rank_group_runs_no_collective(fi_ar, fake_ws, cpu_group, monkeypatch):
-    """A one-rank group has nobody to agree with or vote against."""
-    counter = CollectiveCounter()
-    counter.install(monkeypatch)
-    assert fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group)).backend == "mnnvl"
-    assert counter.collectives == counter.groups == 0
 
 
 def test_the_gpu_is_read_from_the_platform(fi_ar, monkeypatch):

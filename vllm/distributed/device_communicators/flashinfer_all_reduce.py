@@ -15,7 +15,6 @@
 
 
 import atexit
-import functools
 import os
 import random
 import threading
@@ -166,12 +165,13 @@ def _create_workspace(
     group: ProcessGroup,
 ):
     """Create a flashinfer allreduce workspace on every rank or none (None)."""
-    create = functools.partial(
-        _create_workspace_on_rank,
-        *(backend, world_size, rank, max_token_num, hidden_dim, dtype, group),
-    )
+    args = (backend, world_size, rank, max_token_num, hidden_dim, dtype, group)
     return create_on_every_rank(
-        group, backend, create, _release_workspace, TorchDistBackend
+        group,
+        backend,
+        lambda comm_backend: _create_workspace_on_rank(*args, comm_backend),
+        _release_workspace,
+        TorchDistBackend,
     )
 
 

@@ -107,8 +107,6 @@ def nvlink_fabric() -> bool:
 
 def gather_codes(group: ProcessGroup, code: int) -> list[int]:
     """One int from each rank of `group`, in rank order."""
-    if dist.get_world_size(group) == 1:
-        return [code]
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in _ranks(group)]
     dist.all_gather(gathered, torch.tensor([code], dtype=torch.int64), group=group)
     return [int(c.item()) for c in gathered]
@@ -144,8 +142,6 @@ def _bounded_channels(group: ProcessGroup) -> dict[str, ProcessGroup]:
     """
     channels = {}
     for backend in BACKEND_KERNEL_LOADERS:
-        if dist.get_world_size(group) == 1:
-            break
         channel = dist.new_group(
             list(_ranks(group)),
             backend="gloo",
@@ -330,7 +326,7 @@ def _create_and_vote(
     if any(loaded):
         where = _some([r for r, c in zip(ranks, loaded, strict=True) if c])
         return None, f"{where} could not load its kernels ({error or 'see there'})"
-    channel = _groups[group].channels.get(backend, group)
+    channel = _groups[group].channels[backend]
     comm_backend = _CreationCommBackend(backend_type, channel, group)
     try:
         workspace = create(comm_backend)

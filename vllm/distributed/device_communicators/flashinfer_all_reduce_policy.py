@@ -38,8 +38,7 @@ class FiArBackendInputs:
     hisparse: bool | None
     """None while unknown (no vLLM config is current)."""
     kernels: tuple[tuple[str, str], ...]
-    """(package, release) of each FlashInfer package whose kernels may run;
-    empty without flashinfer-python."""
+    """(package, release) of each FlashInfer package whose kernels may run."""
     dtype: str | None = None
     """The dtype the workspace is created for; None until one is."""
     multicast: bool | None = None
@@ -61,13 +60,6 @@ class FiArKnownIssue:
     fixed_in: str | None
     """The first FlashInfer release with the fix; None while unreleased."""
     links: tuple[str, ...] = ()
-
-    def is_fixed(self, release: Version | None) -> bool:
-        return (
-            self.fixed_in is not None
-            and release is not None
-            and release >= Version(self.fixed_in)
-        )
 
 
 FI_AR_KNOWN_ISSUES = (
@@ -199,7 +191,9 @@ def decide_fi_ar_backend(
                 for issue in known_issues
                 if issue.backend == backend
                 and issue.applies(inputs)
-                and not issue.is_fixed(release)
+                and not (
+                    release and issue.fixed_in and release >= Version(issue.fixed_in)
+                )
             ),
             None,
         )
