@@ -47,20 +47,16 @@ def _capability(text: str) -> int:
 
 
 EPILOG = f"""\
-defaults: --backend is {ENV}, else auto; --capability this machine's GPU;
---flashinfer-version the installed kernels; --dtype bfloat16 (only float16
-changes the answer). explain assumes what start-up finds out: that
-{SIZE_TABLE} has the TP size (it cannot be read without CUDA ops),
-and that the GPUs have NVSwitch multicast and an NVLink fabric unless
---no-multicast or --no-fabric. Exit 1 where start-up fails, 2 on a usage
-error."""
+explain assumes what start-up finds out: that the GPUs have NVSwitch
+multicast and an NVLink fabric (unless --no-multicast, --no-fabric), and that
+vLLM's {SIZE_TABLE} has the TP size (reading it needs CUDA ops).
+Exit 1 where start-up fails, 2 on a usage error."""
 
 
 def _parser() -> Parser:
     p = Parser(
         prog="python -m vllm.explain_flashinfer_all_reduce",
-        description="Explain vLLM's FlashInfer all-reduce backend for a\n"
-        "deployment, with start-up's own decision. Needs no GPU.",
+        description="vLLM's FlashInfer all-reduce backend for a deployment.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
@@ -69,10 +65,10 @@ def _parser() -> Parser:
     add("--nnodes", type=int, default=1, metavar="N", help="nodes the TP group spans")
     add("-tp", "--tensor-parallel-size", type=int, metavar="N", help="TP size")
     add("--capability", type=_capability, metavar="CC", help="10.0, sm100 or 100")
-    add("--backend", choices=BACKENDS, help=f"the {ENV} setting")
+    add("--backend", choices=BACKENDS, help=f"default: {ENV}, else auto")
     add("--hisparse", action="store_true", help="HiSparse is on")
     add("--kv-transfer-config", metavar="JSON", help="as given to vllm serve")
-    add("--flashinfer-version", type=Version, metavar="V", help="a release")
+    add("--flashinfer-version", type=Version, metavar="V", help="default: installed")
     add("--dtype", choices=DTYPES, default="bfloat16", help="of the workspace")
     add("--no-multicast", action="store_true", help="no NVSwitch multicast")
     add("--fabric", action=argparse.BooleanOptionalAction, help="NVLink fabric")
@@ -150,17 +146,9 @@ def _answer(args: argparse.Namespace) -> dict[str, Any]:
         state = "off"
     elif backend == "trtllm" and args.nnodes > 1:
         state = "start-up fails"
-        reason += (
-            f"; get_fi_ar_workspace raises ValueError: trtllm cannot span "
-            f"{args.nnodes} nodes"
-        )
+        reason += "; get_fi_ar_workspace raises ValueError: trtllm is single-node"
     issue = decision.known_issue
-    assumed = []
-    if state == "on":
-        tp_text = f"TP {tp}" if tp else "the TP size"
-        assumed.append(
-            f"{SIZE_TABLE} has {tp_text} for this GPU (reading it needs CUDA ops)"
-        )
+    assumed = [f"{SIZE_TABLE} has TP {tp or '(not given)'} for this GPU"]
     if backend == "mnnvl":
         fabric = " and an NVLink fabric" if args.nnodes > 1 and not args.fabric else ""
         assumed.append(f"NVSwitch multicast{fabric}, which start-up checks")

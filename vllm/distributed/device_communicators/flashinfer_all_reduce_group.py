@@ -39,9 +39,8 @@ logger = init_logger(__name__)
 # seconds. Between two of them a healthy rank only allocates and maps
 # memory; kernels are loaded before. vLLM's own gloo groups wait 30 min.
 FI_AR_CREATE_TIMEOUT_S = 300
-# Each backend's kernel loader (functools.cache'd in flashinfer-python
-# 0.7.2.post1 and 0.7.4); trtllm's creation calls its own between two
-# collectives (`trtllm_lamport_initialize` in flashinfer/comm/trtllm_ar.py).
+# Each backend's kernel loader (functools.cache'd in flashinfer-python 0.7.2.post1
+# and 0.7.4), which trtllm's creation calls between two of its collectives.
 BACKEND_KERNEL_LOADERS = {
     "trtllm": ("flashinfer.comm.trtllm_ar", "get_trtllm_comm_module"),
     "mnnvl": ("flashinfer.comm.trtllm_mnnvl_ar", "get_trtllm_mnnvl_comm_module"),
@@ -52,8 +51,7 @@ _DTYPE_KEYS = (None, *FI_AR_DTYPES)
 _NO_FABRIC = 1 << 3 * len(_DTYPE_KEYS)
 # The collectives of FlashInfer's CommBackend (flashinfer/comm/comm_backend.py).
 _COLLECTIVES = ("allgather", "bcast", "barrier")
-# How a rank's part of a creation ended; the rest of its code counts
-# FlashInfer's collectives it completed.
+# How a rank's part of a creation ended (the code's low 2 bits).
 _OK, _FAILED, _WAITED = 0, 1, 2
 
 
@@ -63,8 +61,7 @@ class _Group:
 
     decisions: dict[str | None, FiArBackendDecision]
     channels: dict[str, ProcessGroup]
-    """Per backend, the bounded gloo group for FlashInfer's creation
-    collectives; one that timed out serves no other creation."""
+    """Per backend, the bounded gloo group of FlashInfer's creation."""
     failed: set[str] = dataclasses.field(default_factory=set)
 
 
@@ -209,25 +206,24 @@ def _agree(group: ProcessGroup) -> _Group:
         )
         off = FiArBackendDecision(None, False, "the ranks disagree")
         return _Group(dict.fromkeys(_DTYPE_KEYS, off), channels)
-    reason = decisions[None].reason
-    no_fabric = [r for r, c in zip(ranks, codes, strict=True) if c & _NO_FABRIC]
-    if no_fabric:
+    if no_fabric := [r for r, c in zip(ranks, codes, strict=True) if c & _NO_FABRIC]:
         decisions = _decide_every_dtype(dataclasses.replace(inputs, fabric=False))
-        reason = (
-            f"{decisions[None].reason}; FlashInfer's is_mnnvl_fabric_supported "
-            f"is false on {_some(no_fabric)}"
+        decisions[None] = dataclasses.replace(
+            decisions[None],
+            reason=f"{decisions[None].reason}; FlashInfer's is_mnnvl_fabric_supported "
+            f"is false on {_some(no_fabric)}",
         )
-    _log_decision(f"ranks {ranks}", decisions[None], reason)
+    _log_decision(f"ranks {ranks}", decisions[None])
     return _Group(decisions, channels)
 
 
-def _log_decision(who: str, decision: FiArBackendDecision, reason: str) -> None:
+def _log_decision(who: str, decision: FiArBackendDecision) -> None:
     """The start-up line; a warning where a setting runs into a known issue."""
     issue = decision.known_issue
     warn = issue is not None and issue.backend == decision.backend
     (logger.warning_once if warn else logger.info_once)(
         "FlashInfer all-reduce backend for %s: %s (%s)%s",
-        *(who, decision.backend or "off", reason),
+        *(who, decision.backend or "off", decision.reason),
         f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." if warn else "",
     )
 
@@ -243,13 +239,12 @@ def resolve_fi_ar_backend(
     key = None if dtype is None else str(dtype).removeprefix("torch.")
     decision = state.decisions.get(key, state.decisions[None])
     if key is not None and decision != state.decisions[None]:
-        _log_decision(f"ranks {_ranks(group)}, {key}", decision, decision.reason)
+        _log_decision(f"ranks {_ranks(group)}, {key}", decision)
     return decision.backend, decision.allow_trtllm_fallback
 
 
 def _load_kernels(backend: str) -> str | None:
-    """Load (JIT-build on a cold cache: minutes) `backend`'s kernels here;
-    the error, if any."""
+    """Load `backend`'s kernels (a JIT build on a cold cache); the error."""
     module_name, loader = BACKEND_KERNEL_LOADERS[backend]
     try:
         getattr(importlib.import_module(module_name), loader)()

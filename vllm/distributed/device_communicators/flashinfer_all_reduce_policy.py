@@ -2,13 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
 #  goes away with it.
-"""Which FlashInfer all-reduce backend a process group uses, as a pure function.
-
-`decide_fi_ar_backend` sees only `FiArBackendInputs`, so start-up and
-`python -m vllm.explain_flashinfer_all_reduce` give the same answer. The
-FlashInfer bugs `auto` steers around are data (`FI_AR_KNOWN_ISSUES`); each
-retires once the FlashInfer kernels that would run carry its fix.
-"""
+"""Which FlashInfer all-reduce backend a process group uses, as a pure function
+of `FiArBackendInputs`, for start-up and explain alike. The FlashInfer bugs
+`auto` steers around are data; each retires once the kernels carry its fix."""
 
 import importlib
 from collections.abc import Callable
