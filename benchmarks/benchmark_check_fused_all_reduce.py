@@ -3,12 +3,13 @@
 """The fused all-reduce check's own cost per iteration, on CPU.
 
 Runs `check_fused_all_reduce.py --device cpu --json` for each hidden size
-and reports, per checked iteration, the wall time and how it splits: the op
-(here the reference kernel on gloo), the NCCL + RMSNorm reference it is
-timed against, and the rest, which is the harness's own cost (fresh input
-copies, checking both outputs, the progress record). On GPUs the same
-split is in the check's own --json output (`iteration_cost_us`); read the
-GPU's harness share against this one.
+and reports, per replayed step (L layers), the wall time and how it splits:
+the step itself (here the emulated kernel on gloo, and the GEMMs), queueing
+the checks of its outputs, and the rest, which is the harness's own cost
+(loading the input sets, reading the checks, the progress record). On GPUs
+the same split is in the check's own --json output (`iteration_cost_us`),
+with the step timed by CUDA events; read the GPU's harness share against
+this one.
 
     python benchmarks/benchmark_check_fused_all_reduce.py [--tp 2] [--seconds 10]
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 CHECK = Path(__file__).resolve().parent / "check_fused_all_reduce.py"
 
 
-def measure(tp: int, seconds: float, hidden: int, max_tokens: int) -> dict:
+def measure(tp: int, seconds: float, hidden: int, max_tokens: int, layers: int) -> dict:
     """One CPU run of the check; its cost per iteration."""
     proc = subprocess.run(
         [
@@ -41,6 +42,8 @@ def measure(tp: int, seconds: float, hidden: int, max_tokens: int) -> dict:
             str(hidden),
             "--max-tokens",
             str(max_tokens),
+            "--layers",
+            str(layers),
         ],
         capture_output=True,
         text=True,
@@ -60,16 +63,17 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--hidden-sizes", default="256,7168")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     print(
-        f"{'hidden':>6} {'iterations':>10} {'us/iteration':>12} {'op':>9} "
-        f"{'reference':>9} {'harness':>9}"
+        f"{'hidden':>6} {'steps':>10} {'us/step':>12} {'step':>9} "
+        f"{'checks':>9} {'harness':>9}"
     )
     for hidden in (int(h) for h in args.hidden_sizes.split(",")):
-        cost = measure(args.tp, args.seconds, hidden, args.max_tokens)
+        cost = measure(args.tp, args.seconds, hidden, args.max_tokens, args.layers)
         print(
             f"{hidden:>6} {cost['iterations']:>10} {cost['total']:>12.0f} "
-            f"{cost['op']:>9.0f} {cost['reference']:>9.0f} {cost['harness']:>9.0f}"
+            f"{cost['op']:>9.0f} {cost['check']:>9.0f} {cost['harness']:>9.0f}"
         )
     return 0
 

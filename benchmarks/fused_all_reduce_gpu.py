@@ -4,14 +4,14 @@
 
 This project has never run it: no machine of ours has two GPUs. It is kept
 to what vLLM itself calls: the CUDA device of a rank, the op's own token
-budget for the workspace, the GPU's name and links as vLLM's platform
-reports them, CUDA-graph capture and replay, and host-memory traffic made
-the way HiSparse and vLLM's UVA offload make it (pinned host memory copied
-to the GPU, and read by a kernel through a GPU view of it). Everything
-else, the check itself included, lives in fused_all_reduce_rank.py and runs
-in the CPU tests. tests/benchmarks/test_check_fused_all_reduce.py checks
-every FlashInfer and vLLM name this file reaches against the released
-sources.
+budget, the GPU's name and links as vLLM's platform reports them, CUDA-graph
+capture (thread-local, so no other thread can break it) and replay, events,
+and HiSparse's host gather (`hisparse_gather_compact` on 656-byte rows of a
+pinned host pool, forked on a copy stream and joined, as
+vllm/v1/hisparse/runtime.py runs it). Everything else, the check itself
+included, lives in the other modules and runs in the CPU tests.
+tests/benchmarks/test_check_fused_all_reduce_calls.py checks every
+FlashInfer and vLLM name this file reaches against the released sources.
 """
 
 import threading
@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
+import vllm._custom_ops  # noqa: F401  (loads torch.ops._C_cache_ops)
 from vllm.model_executor.layers.fused_allreduce_gemma_rms_norm import _max_token_num
 from vllm.platforms import current_platform
-from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+from vllm.v1.hisparse.runtime import FP8_DS_MLA_ROW_BYTES
 
 MiB = 1024 * 1024
-# Rows of the host pool a gather kernel reads, as HiSparse reads KV rows.
-HOST_ROW_BYTES = 16 * 1024
+# How long the bulk-copy thread may take to stop.
+STOP_SECONDS = 10.0
 
 
 def bind_device(local_rank: int) -> torch.device:
@@ -54,73 +55,92 @@ def describe(world_size: int) -> dict[str, Any]:
 
 
 def capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """Capture `fn` in a CUDA graph; return its replay and its outputs.
+    """Capture `fn` in one CUDA graph; return its replay and its outputs.
 
     `fn` has already run eagerly (the workspace and FlashInfer's kernels
-    are ready), as vLLM warms up before it captures.
+    are ready), as vLLM warms up before it captures. Thread-local capture:
+    a CUDA call of another thread cannot invalidate it.
     """
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = fn()
     torch.cuda.synchronize()
     return graph.replay, outputs
 
 
-def timed(run: Callable[[], None]) -> float:
-    """Seconds `run` takes on the GPU; waits for it to finish."""
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+def synchronize() -> None:
+    torch.cuda.synchronize()
 
 
-def start_host_traffic(mib: int, device: torch.device) -> Callable[[], None]:
-    """Keep host memory busy on other streams until the returned stop().
+def event() -> Any:
+    """A timing event, recorded now on the current stream."""
+    mark = torch.cuda.Event(enable_timing=True)
+    mark.record()
+    return mark
 
-    One stream copies a pinned host buffer to the GPU; another runs a gather
-    kernel that reads rows of a pinned host pool through its GPU view, as
-    HiSparse's host gathers do. Returns at once; stop() waits for both.
-    """
-    rows = max(1, mib * MiB // HOST_ROW_BYTES)
-    pool = torch.empty((rows, HOST_ROW_BYTES), dtype=torch.uint8).pin_memory()
-    pool_on_gpu = get_accelerator_view_from_cpu_tensor(pool)
-    staging = torch.empty((rows, HOST_ROW_BYTES), dtype=torch.uint8).pin_memory()
+
+class HiSparseGather:
+    """HiSparse's swap-in of one layer: `hisparse_gather_compact` from a
+    pinned host pool of 656-byte rows into a hot cache on the GPU, on a copy
+    stream forked from the compute stream and joined by it, as
+    `HiSparseRuntime._stage_this_layer` and `wait_for_staged_swap` do."""
+
+    def __init__(self, pool_mib: int, rows: int, device: torch.device):
+        row_bytes = FP8_DS_MLA_ROW_BYTES
+        pool_rows = max(rows, pool_mib * MiB // row_bytes)
+        # The host pool as the runtime binds it: pinned, (rows, row bytes).
+        self.host_cache = torch.empty(
+            (pool_rows, row_bytes), dtype=torch.uint8
+        ).pin_memory()
+        self.hot_cache = torch.empty(
+            (rows, row_bytes), dtype=torch.uint8, device=device
+        )
+        picked = torch.randperm(pool_rows)[:rows].to(torch.int32)
+        self.host_rows = picked.view(1, rows).to(device)
+        self.hot_rows = torch.arange(rows, dtype=torch.int32, device=device).view(
+            1, rows
+        )
+        self.counts = torch.full((1,), rows, dtype=torch.int32, device=device)
+        self.copy_stream = torch.cuda.Stream(device)
+        self.ready = torch.cuda.Event()
+
+    def fork(self) -> None:
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            torch.ops._C_cache_ops.hisparse_gather_compact(
+                self.host_cache,
+                self.hot_cache,
+                self.host_rows,
+                self.hot_rows,
+                self.counts,
+            )
+            self.ready.record(self.copy_stream)
+
+    def join(self) -> None:
+        torch.cuda.current_stream().wait_event(self.ready)
+
+
+def start_bulk_copies(mib: int, device: torch.device) -> Callable[[], None]:
+    """Copy a pinned host buffer to the GPU on a stream of another thread
+    until the returned stop(), which waits STOP_SECONDS at most."""
+    staging = torch.empty(mib * MiB, dtype=torch.uint8).pin_memory()
     copied = torch.empty_like(staging, device=device)
-    gathered = torch.empty(
-        (rows // 2 + 1, HOST_ROW_BYTES), dtype=torch.uint8, device=device
-    )
-    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    stream = torch.cuda.Stream(device)
     stop = threading.Event()
 
     def copies() -> None:
         torch.cuda.set_device(device)  # the current device is per thread
-        with torch.cuda.stream(streams[0]):
+        with torch.cuda.stream(stream):
             while not stop.is_set():
                 copied.copy_(staging, non_blocking=True)
-                streams[0].synchronize()
+                stream.synchronize()
 
-    def gathers() -> None:
-        torch.cuda.set_device(device)
-        with torch.cuda.stream(streams[1]):
-            while not stop.is_set():
-                picked = torch.randint(rows, (gathered.shape[0],), device=device)
-                torch.index_select(pool_on_gpu, 0, picked, out=gathered)
-                streams[1].synchronize()
+    thread = threading.Thread(target=copies, daemon=True, name="bulk-copies")
+    thread.start()
 
-    threads = [
-        threading.Thread(target=work, daemon=True, name=f"host-traffic-{work.__name__}")
-        for work in (copies, gathers)
-    ]
-    for thread in threads:
-        thread.start()
-
-    def stop_traffic() -> None:
+    def stop_copies() -> None:
         stop.set()
-        for thread in threads:
-            thread.join()
+        thread.join(timeout=STOP_SECONDS)
 
-    return stop_traffic
+    return stop_copies

@@ -5,16 +5,17 @@
 Started by the launcher as `python fused_all_reduce_rank.py SPEC RANK FD`,
 one process per rank, as `vllm serve -tp N` starts its workers. The rank
 sets up vLLM's distributed state and a current VllmConfig (HiSparse on unless
-told otherwise), runs vLLM's `fused_allreduce_rms_norm` over a sweep of token
-counts, and checks every output against an fp32 reference. It tells the
-launcher what happens as JSON lines on the pipe FD, and keeps a progress
-record in a shared file the launcher watches for stalls.
+told otherwise), and for each shape of a sweep of token counts replays a
+step of L layers of vLLM's `fused_allreduce_rms_norm`
+(fused_all_reduce_step.py), back to back, checking every output against the
+kernels' own arithmetic. It tells the launcher what happens as JSON lines on
+the pipe FD, and keeps a progress record in a shared file the launcher
+watches for stalls.
 
-With device "cpu" a reference implementation stands in for FlashInfer's
-workspace constructor and kernel (gloo all-reduce plus an fp32 RMSNorm,
-fused_all_reduce_reference.py), and there are no CUDA graphs or
-host-traffic streams; everything else is the same code. What only GPUs run
-is in fused_all_reduce_gpu.py.
+With device "cpu" an emulation of the decided backend's kernel stands in for
+FlashInfer's (fused_all_reduce_reference.py), and there are no CUDA graphs
+and no host gathers; everything else is the same code. What only GPUs run is
+in fused_all_reduce_gpu.py.
 """
 
 import contextlib
@@ -29,7 +30,6 @@ import struct
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -37,34 +37,33 @@ import torch
 import torch.distributed as dist
 from fused_all_reduce_reference import (
     cpu_max_token_num,
-    fused_reference,
     install_cpu_kernel,
     platform_reads_as_cuda,
 )
+from fused_all_reduce_step import (
+    DTYPES,
+    PoisonedTorch,
+    Step,
+    largest_fitting,
+    token_counts,
+)
 
 FI_AR_MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
+FI_AR_PACKAGE = "vllm.distributed.device_communicators"
 OP_MODULE = "vllm.models.common.ops.fused_allreduce_rms_norm"
 GPU_MODULE = "fused_all_reduce_gpu"
+# The known issue whose zeroed tokens are a finding of their own.
+OVERFLOW_ISSUE = "mnnvl fp16 RMSNorm overflow"
 
 # A rank's record in the progress file: how far it got (bumped before and
-# after each call of the op), its phase, its checked iterations and
-# mismatches.
-PROGRESS = struct.Struct("<qqqq")
+# after each replay), its phase, its replays, mismatches and known-issue
+# tokens.
+PROGRESS = struct.Struct("<qqqqq")
 PHASE_START, PHASE_WARMUP, PHASE_REPLAY, PHASE_DONE = range(4)
-PHASES = ("start-up", "warm-up", "replay", "done")
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Each output against the fp32 reference: |got - want| <= atol + rtol * |want|.
-# Four units in the last place of the dtype: the kernel rounds the reduced
-# sum to the dtype before the residual add, and both outputs once more.
-TOLERANCES = {"bf16": (2**-6, 2**-6), "fp16": (2**-9, 2**-9)}
 RMS_EPS = 1e-6
-# Tokens with values past fp16's old one-shot RMSNorm limit (|x| > 255.94).
-LARGE_VALUE = 300.0
-# Token counts either side of PDL_ADVANCE_LAUNCH_TOKENS (16) in vLLM's op.
-PDL_EDGE = (15, 16, 17)
 PR_SET_PDEATHSIG = 1
-# Mismatches sent in full per rank; the rest are only counted.
+# Records sent in full per rank; the rest are only counted.
 MISMATCH_REPORTS = 20
 INJECTED_LAUNCH_FAILURE = (
     "CUDA error: unspecified launch failure (injected by check_fused_all_reduce)"
@@ -85,7 +84,7 @@ class Reporter:
         self._file = open(progress_path, "r+b")  # noqa: SIM115
         self._map = mmap.mmap(self._file.fileno(), 0)
         self._offset = rank * PROGRESS.size
-        self.step = self.iterations = self.mismatches = 0
+        self.step = self.iterations = self.mismatches = self.findings = 0
         self.phase = PHASE_START
 
     def send(self, event: str, **fields: Any) -> None:
@@ -105,6 +104,7 @@ class Reporter:
             self.phase,
             self.iterations,
             self.mismatches,
+            self.findings,
         )
 
 
@@ -151,35 +151,27 @@ def build_config(device: Literal["cuda", "cpu"], hisparse: bool) -> Any:
 
 def counted_kernel_release(group: Any) -> dict[str, str | None]:
     """The FlashInfer release whose all-reduce kernels run, as this build
-    counts it (jit-cache shim, providers and flashinfer/data/aot included),
-    and the package they are counted from.
-
-    The inputs are gathered as the build's own decision gathers them
-    (`_decide_for_group` in flashinfer_all_reduce_group.py), so the check
-    names the release the start-up line's decision was made for.
-    """
+    counts it (the policy's `kernel_release` over `installed_kernels`),
+    with the group's inputs as the build's own decision reads them."""
     import vllm.envs as envs
-    from vllm.distributed.device_communicators import (
-        flashinfer_all_reduce_group as fi_group,
-    )
-    from vllm.distributed.device_communicators.flashinfer_all_reduce_installed import (
-        installed_kernel_inputs,
-    )
-    from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
-        FiArBackendInputs,
-        kernel_release,
-    )
 
-    release, package = kernel_release(
-        FiArBackendInputs(
+    fi_group = importlib.import_module(f"{FI_AR_PACKAGE}.flashinfer_all_reduce_group")
+    policy = importlib.import_module(f"{FI_AR_PACKAGE}.flashinfer_all_reduce_policy")
+    release, package = policy.kernel_release(
+        policy.FiArBackendInputs(
             setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
             node_count=fi_group.group_node_count(group),
             device_capability=fi_group.device_capability(),
             hisparse=fi_group.hisparse_enabled(),
-            **installed_kernel_inputs(),
+            kernels=policy.installed_kernels(),
         )
     )
-    return {"release": release, "package": package}
+    return {"release": None if release is None else str(release), "package": package}
+
+
+def known_issue(name: str) -> Any:
+    policy = importlib.import_module(f"{FI_AR_PACKAGE}.flashinfer_all_reduce_policy")
+    return next(issue for issue in policy.FI_AR_KNOWN_ISSUES if issue.name == name)
 
 
 class KernelCalls:
@@ -187,11 +179,13 @@ class KernelCalls:
 
     The op falls back to NCCL plus a separate RMSNorm without a word; the
     kernel it calls is wrapped in the op's own module, so a call of the op
-    that did not reach it is known.
+    that did not reach it is known. `stale` makes the kernel leave norm_out
+    as it was (the stale-output injection).
     """
 
     def __init__(self, op_module: Any):
         self.count = 0
+        self.stale = False
         kernel = op_module.flashinfer_trtllm_fused_allreduce_norm
         self.available = kernel is not None
         if kernel is None:
@@ -199,6 +193,8 @@ class KernelCalls:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
+            if self.stale:
+                kwargs["norm_out"] = torch.empty_like(kwargs["norm_out"])
             return kernel(*args, **kwargs)
 
         op_module.flashinfer_trtllm_fused_allreduce_norm = counted
@@ -209,77 +205,30 @@ def refuse_every_call(hidden_states: torch.Tensor, tp_size: int) -> tuple[bool, 
     return False, 0
 
 
-def token_counts(top: int) -> list[int]:
-    """The sweep: powers of two (either side of the one-shot/two-shot switch
-    wherever it falls), the PDL edge, and the workspace's top."""
-    counts = {top, *PDL_EDGE}
-    power = 1
-    while power <= top:
-        counts.add(power)
-        power *= 2
-    return sorted(c for c in counts if 1 <= c <= top)
+class Clock:
+    """Times replays without waiting: CUDA events on GPUs, read at a drain."""
 
+    def __init__(self, gpu: Any):
+        self.gpu = gpu
+        self.marks: list[Any] = []
 
-def largest_fitting(ws: Any, tp_size: int, top: int, hidden: int, dtype: Any) -> int:
-    """The most tokens up to `top` that the workspace says it can take."""
-    low, high = 0, top
-    while low < high:
-        mid = (low + high + 1) // 2
-        if ws.is_buffer_size_sufficient(
-            tp_size=tp_size, num_tokens=mid, hidden_dim=hidden, dtype=dtype
-        ):
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    def time(self, run: Any) -> Any:
+        if self.gpu is None:
+            start = time.perf_counter()
+            value = run()
+            self.marks.append(time.perf_counter() - start)
+            return value
+        start = self.gpu.event()
+        value = run()
+        self.marks.append((start, self.gpu.event()))
+        return value
 
-
-def make_inputs(
-    rank: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's partial sums and the residual, both deterministic.
-
-    Every fifth token carries values past 256 (the residual, so the sum
-    too), every seventh large partial sums.
-    """
-    generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    partial = torch.randn(tokens, hidden, generator=generator) * 0.5
-    residual = torch.randn(
-        tokens, hidden, generator=torch.Generator().manual_seed(seed)
-    )
-    residual[::5] += LARGE_VALUE
-    partial[3::7] *= LARGE_VALUE
-    return partial.to(dtype), residual.to(dtype)
-
-
-def compare(got: torch.Tensor, want: torch.Tensor, dtype: str) -> dict | None:
-    """Where `got` is out of tolerance of `want`, or None. NaN counts as bad."""
-    rtol, atol = TOLERANCES[dtype]
-    error = (got.float() - want).abs()
-    ok = error <= atol + rtol * want.abs()
-    if bool(ok.all()):
-        return None
-    bad = (~ok).nonzero()
-    token, column = (int(i) for i in bad[0])
-    return {
-        "token": token,
-        "column": column,
-        "got": float(got[token, column]),
-        "want": float(want[token, column]),
-        "worst_error": float(error.nan_to_num(nan=float("inf")).max()),
-        "bad_values": int(bad.shape[0]),
-        "bad_tokens": int(bad[:, 0].unique().numel()),
-    }
-
-
-def percentiles(samples: list[float]) -> dict[str, float | None]:
-    if not samples:
-        return {"p50": None, "p99": None}
-    ordered = torch.tensor(sorted(samples), dtype=torch.float64)
-    return {
-        "p50": float(torch.quantile(ordered, 0.5)),
-        "p99": float(torch.quantile(ordered, 0.99)),
-    }
+    def read(self) -> list[float]:
+        """The times marked since the last read (after a synchronize)."""
+        marks, self.marks = self.marks, []
+        if self.gpu is None:
+            return marks
+        return [start.elapsed_time(end) / 1e3 for start, end in marks]
 
 
 class Rank:
@@ -291,12 +240,16 @@ class Rank:
         self.world_size = spec["tp"]
         self.report = reporter
         self.cuda = spec["device"] == "cuda"
-        self.gpu = importlib.import_module(GPU_MODULE) if self.cuda else None
+        self.gpu: Any = importlib.import_module(GPU_MODULE) if self.cuda else None
+        self.gather: Any = None
         self.replays = 0
-        self.mismatch_reports = 0
+        self.sent = 0
         self.decided_backend: str | None = None
+        self.backend: str | None = None
         inject = spec.get("inject")
         self.inject = inject if inject and inject["rank"] == rank else None
+        self.clock = Clock(self.gpu)
+        self.issue_shapes: set[tuple[str, int, int]] = set()
 
     def run(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -331,9 +284,11 @@ class Rank:
         self.tp_group = get_tp_group()
         # Its module globals are what the op calls; they get replaced.
         self.op_module: Any = cast(Any, importlib.import_module(OP_MODULE))
+        self.op_module.torch = PoisonedTorch()
         self.fi_ar = importlib.import_module(FI_AR_MODULE)
+        kernel = counted_kernel_release(self.tp_group.cpu_group)
         if not self.cuda:
-            install_cpu_kernel(self.op_module)
+            install_cpu_kernel(self.op_module, kernel["release"] or "0")
         self.kernel = KernelCalls(self.op_module)
         if (self.spec.get("inject") or {}).get("kind") == "fallback":
             # Every rank's gate refuses, as on a group where FlashInfer
@@ -341,37 +296,60 @@ class Rank:
             self.op_module._can_use_flashinfer = refuse_every_call
         backend, _ = self.fi_ar._resolve_fi_ar_backend(self.tp_group.cpu_group)
         self.decided_backend = backend
-        from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
-            group_node_count,
+        fi_group = importlib.import_module(
+            f"{FI_AR_PACKAGE}.flashinfer_all_reduce_group"
         )
-
         self.report.send(
             "info",
             decided_backend=self.decided_backend,
-            kernel=counted_kernel_release(self.tp_group.cpu_group),
-            nodes=group_node_count(self.tp_group.cpu_group),
+            kernel=kernel,
+            nodes=fi_group.group_node_count(self.tp_group.cpu_group),
             platform=(
                 self.gpu.describe(self.world_size) if self.gpu else {"gpu": None}
             ),
             lines=list(self.lines.lines),
         )
-        stop_traffic: Callable[[], None] = lambda: None  # noqa: E731
         if self.gpu and self.spec["host_traffic_mib"]:
-            stop_traffic = self.gpu.start_host_traffic(
+            self.gather = self.gpu.HiSparseGather(
+                self.spec["host_traffic_mib"], self.spec["gather_rows"], self.device
+            )
+        if self.gpu and self.spec["bulk_copies"] and self.spec["host_traffic_mib"]:
+            self.stop_copies = self.gpu.start_bulk_copies(
                 self.spec["host_traffic_mib"], self.device
             )
-        try:
-            configs = [
-                (dtype, hidden)
-                for dtype in self.spec["dtypes"]
-                for hidden in self.spec["hidden_sizes"]
-            ]
-            slice_seconds = self.spec["seconds"] / len(configs)
-            for seed, (dtype, hidden) in enumerate(configs):
-                self.run_config(dtype, hidden, slice_seconds, seed)
-        finally:
-            stop_traffic()
+        configs = [
+            (dtype, hidden)
+            for dtype in self.spec["dtypes"]
+            for hidden in self.spec["hidden_sizes"]
+        ]
+        slice_seconds = self.spec["seconds"] / len(configs)
+        for seed, (dtype, hidden) in enumerate(configs):
+            self.run_config(dtype, hidden, slice_seconds, seed)
+        # Only after a clean run: after a fault the launcher hears first.
+        getattr(self, "stop_copies", lambda: None)()
         self.report.advance(PHASE_DONE)
+
+    def known_overflow(self, dtype: str) -> bool:
+        """Whether zeroed tokens here are the known fp16 overflow."""
+        return dtype == "fp16" and self.backend == known_issue(OVERFLOW_ISSUE).backend
+
+    def fused(self, partial: torch.Tensor, residual: torch.Tensor, norm: Any) -> Any:
+        """vLLM's op; FallbackRan if it did not reach FlashInfer's kernel."""
+        before = self.kernel.count
+        outputs = self.op_module.fused_allreduce_rms_norm(partial, residual, norm)
+        if self.kernel.count == before:
+            if not self.kernel.available:
+                why = "vLLM's FlashInfer fusion op did not load"
+            elif self.decided_backend is None:
+                why = "this build turned FlashInfer all-reduce off for the group"
+            else:
+                why = "the op's FlashInfer gate refused it"
+            raise FallbackRan(
+                f"fused_allreduce_rms_norm ran NCCL + RMSNorm instead of "
+                f"FlashInfer's fused kernel ({why}) for {partial.shape[0]} "
+                f"tokens, hidden {partial.shape[1]}, {partial.dtype}"
+            )
+        return outputs
 
     def run_config(self, dtype: str, hidden: int, seconds: float, seed: int) -> None:
         """One model shape: a fresh workspace, a sweep, replays until time."""
@@ -385,8 +363,8 @@ class Rank:
             gamma = torch.Generator().manual_seed(seed)
             norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gamma))
         # The first call creates the workspace, as a model's first forward does.
-        first = Case(self, dtype, hidden, 1, norm, seed)
-        first.run_eager()
+        probe = torch.zeros(1, hidden, dtype=torch_dtype, device=self.device)
+        self.fused(probe, torch.zeros_like(probe), norm)
         ws = self.fi_ar.get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
@@ -395,6 +373,7 @@ class Rank:
             dtype=torch_dtype,
             group=self.tp_group.cpu_group,
         )
+        self.backend = ws.backend
         budget = (
             self.gpu.op_max_token_num(self.world_size, hidden, torch_dtype)
             if self.gpu
@@ -404,47 +383,89 @@ class Rank:
             budget = min(budget, self.spec["max_tokens"])
         top = largest_fitting(ws, self.world_size, budget, hidden, torch_dtype)
         sweep = token_counts(top)
-        cases = [Case(self, dtype, hidden, n, norm, seed) for n in sweep]
-        for case in cases:
-            case.prepare()
+        steps = [Step(self, dtype, hidden, n, norm, seed) for n in sweep]
+        for step in steps:
+            self.prepare(step)
         self.report.send(
             "config",
             dtype=dtype,
             hidden=hidden,
             backend=ws.backend,
             tokens=sweep,
+            layers=self.spec["layers"],
+            input_sets=self.spec["input_sets"],
             lines=list(self.lines.lines),
         )
         iterations = self.report.iterations
         start = time.perf_counter()
-        self.replay(cases, seconds)
+        self.replay(steps, seconds)
         self.report.send(
             "latency",
             dtype=dtype,
             hidden=hidden,
-            buckets=[case.latency() for case in cases],
-            # For the harness's own cost per iteration: all of it, and the
-            # parts that are the op and the reference.
+            buckets=[step.latency() for step in steps],
+            # For the harness's own cost per replay: all of it, and the
+            # parts that are the step and its checks.
             iterations=self.report.iterations - iterations,
             wall_seconds=time.perf_counter() - start,
-            fused_seconds=sum(sum(c.fused_seconds) for c in cases),
-            reference_seconds=sum(sum(c.reference_seconds) for c in cases),
+            fused_seconds=sum(step.fused_seconds for step in steps),
+            check_seconds=sum(step.check_seconds for step in steps),
         )
 
-    def replay(self, cases: list["Case"], seconds: float) -> None:
-        """Round-robin over the sweep until rank 0's time is up; the ranks
-        agree on stopping after each round, as they must stop together."""
+    def prepare(self, step: Step) -> None:
+        """An eager, checked run (a model's warm-up), then on GPUs the
+        capture of the step in one CUDA graph."""
+        self.report.advance()
+        step.load(0)
+        step.check(0, step.forward())
+        self.report.advance()
+        self.take(step, step.drain())
+        if self.gpu is None:
+            return
+        replay, outputs = self.gpu.capture(step.forward)
+        step.run = lambda: (replay(), outputs)[1]
+
+    def replay(self, steps: list[Step], seconds: float) -> None:
+        """Bursts of replays per shape, round-robin until rank 0's time is up;
+        the ranks agree on stopping after each round, as they must stop
+        together."""
         deadline = time.monotonic() + seconds
         self.report.advance(PHASE_REPLAY)
         while True:
-            for case in cases:
-                case.check_replay()
+            for step in steps:
+                self.burst(step)
             done = torch.tensor([int(self.rank == 0 and time.monotonic() >= deadline)])
             dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.tp_group.cpu_group)
             if done.item():
                 return
 
-    def injected(self, when: str, case: "Case", outputs: Any = None) -> None:
+    def burst(self, step: Step) -> None:
+        """`replays_per_sync` replays queued back to back, then one
+        synchronize, and the checks' records."""
+        for _ in range(self.spec["replays_per_sync"]):
+            self.injected("before")
+            self.report.advance()
+            step.load(self.replays)
+            outputs = self.clock.time(step.run)
+            self.injected("after", outputs)
+            checked = time.perf_counter()
+            step.check(self.replays, outputs)
+            step.check_seconds += time.perf_counter() - checked
+            self.replays += 1
+            step.calls += step.layers
+            self.report.iterations += 1
+            self.report.advance()
+        if self.gpu is not None:
+            self.gpu.synchronize()
+        checked = time.perf_counter()
+        self.take(step, step.drain())
+        step.check_seconds += time.perf_counter() - checked
+        times = self.clock.read()
+        step.step_seconds += times
+        step.fused_seconds += sum(times)
+        self.report.advance()
+
+    def injected(self, when: str, outputs: Any = None) -> None:
         """Injects this rank's fault, once, at the configured replay."""
         if self.inject is None or self.replays < self.inject["after"]:
             return
@@ -456,151 +477,44 @@ class Rank:
             raise RuntimeError(INJECTED_LAUNCH_FAILURE)
         if when == "before" and kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if when == "before" and kind == "stale":
+            self.kernel.stale = True
+            self.inject = None
         if when == "after" and kind == "wrong":
-            outputs[0][case.tokens - 1, 0] += 1000
+            normed = outputs[0][0]
+            normed[normed.shape[0] - 1, 0] += 1000
             self.inject = None
 
-    def mismatch(self, case: "Case", which: str, found: dict) -> None:
-        self.report.mismatches += 1
-        if self.mismatch_reports < MISMATCH_REPORTS:
-            self.mismatch_reports += 1
-            self.report.send(
-                "mismatch",
-                dtype=case.dtype,
-                hidden=case.hidden,
-                tokens=case.tokens,
-                output=which,
-                **found,
-            )
+    def take(self, step: Step, found: list[dict[str, Any]]) -> None:
+        """Report a drain's records: mismatches, and the known issue."""
+        for record in found:
+            zeroed = record.pop("zeroed_tokens")
+            shape = {"dtype": step.dtype, "hidden": step.hidden, "tokens": step.tokens}
+            key = (step.dtype, step.hidden, step.tokens)
+            if zeroed:
+                self.report.findings += zeroed
+            if zeroed and key not in self.issue_shapes:
+                # Once per shape: the count says the rest.
+                self.issue_shapes.add(key)
+                issue = known_issue(OVERFLOW_ISSUE)
+                self.report.send(
+                    "known_issue",
+                    name=issue.name,
+                    fixed_in=issue.fixed_in,
+                    effect=issue.effect,
+                    zeroed_tokens=zeroed,
+                    replay=record["replay"],
+                    layer=record["layer"],
+                    **shape,
+                )
+            if record["bad_values"]:
+                self.report.mismatches += 1
+                self.send_capped("mismatch", **shape, **record)
 
-
-class Case:
-    """One shape of the sweep: its inputs, fp32 reference and runners."""
-
-    def __init__(
-        self, owner: Rank, dtype: str, hidden: int, tokens: int, norm: Any, seed: int
-    ):
-        self.owner = owner
-        self.dtype = dtype
-        self.hidden = hidden
-        self.tokens = tokens
-        self.norm = norm
-        device = owner.device
-        partial, residual = make_inputs(owner.rank, tokens, hidden, DTYPES[dtype], seed)
-        self.partial = partial.to(device)
-        self.residual = residual.to(device)
-        # The reference: the device group's all-reduce (NCCL on GPUs) in
-        # fp32, then an fp32 RMSNorm.
-        self.want_norm, self.want_sum = fused_reference(
-            self.partial,
-            self.residual,
-            norm.weight,
-            RMS_EPS,
-            owner.tp_group.device_group,
-        )
-        self.inputs = torch.empty_like(self.partial)
-        self.residuals = torch.empty_like(self.residual)
-        self.ref_inputs = torch.empty_like(self.partial)
-        self.ref_residuals = torch.empty_like(self.residual)
-        self.fused_seconds: list[float] = []
-        self.reference_seconds: list[float] = []
-        self.run_fused: Callable[[], Any] = self.fused
-        self.run_reference: Callable[[], Any] = self.nccl_rms_norm
-
-    def fused(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """vLLM's op, on fresh copies of the inputs (it writes into them)."""
-        self.inputs.copy_(self.partial)
-        self.residuals.copy_(self.residual)
-        return self.owner.op_module.fused_allreduce_rms_norm(
-            self.inputs, self.residuals, self.norm
-        )
-
-    def nccl_rms_norm(self) -> Any:
-        """The unfused path for timing: the device group's all-reduce
-        (NCCL on GPUs), then vLLM's RMSNorm."""
-        self.ref_inputs.copy_(self.partial)
-        self.ref_residuals.copy_(self.residual)
-        dist.all_reduce(self.ref_inputs, group=self.owner.tp_group.device_group)
-        return self.norm(self.ref_inputs, self.ref_residuals)
-
-    def _called_kernel(self, call: Callable[[], Any]) -> Any:
-        """Run `call`; raise FallbackRan if it never reached the kernel."""
-        kernel = self.owner.kernel
-        before = kernel.count
-        outputs = call()
-        if kernel.count == before:
-            if not kernel.available:
-                why = "vLLM's FlashInfer fusion op did not load"
-            elif self.owner.decided_backend is None:
-                why = "this build turned FlashInfer all-reduce off for the group"
-            else:
-                why = "the op's FlashInfer gate refused it"
-            raise FallbackRan(
-                f"fused_allreduce_rms_norm ran NCCL + RMSNorm instead of "
-                f"FlashInfer's fused kernel ({why}) for {self.tokens} tokens, "
-                f"hidden {self.hidden}, {self.dtype}"
-            )
-        return outputs
-
-    def run_eager(self) -> None:
-        """One eager call, checked, as a model's warm-up forward."""
-        self.owner.report.advance()
-        outputs = self._called_kernel(self.fused)
-        self.owner.report.advance()
-        self.check(outputs)
-
-    def prepare(self) -> None:
-        """Warm up and, on GPUs, capture both paths in CUDA graphs."""
-        self.run_eager()
-        gpu = self.owner.gpu
-        if gpu is None:
-            self.run_fused = lambda: self._called_kernel(self.fused)
-            return
-        replay, outputs = self._called_kernel(lambda: gpu.capture(self.fused))
-        self.run_fused = lambda: (replay(), outputs)[1]
-        self.nccl_rms_norm()
-        replay_ref, _ = gpu.capture(self.nccl_rms_norm)
-        self.run_reference = replay_ref
-
-    def timed(self, run: Callable[[], Any]) -> tuple[float, Any]:
-        gpu = self.owner.gpu
-        result: list[Any] = []
-        if gpu is not None:
-            return gpu.timed(lambda: result.append(run())), result[0]
-        start = time.perf_counter()
-        value = run()
-        return time.perf_counter() - start, value
-
-    def check_replay(self) -> None:
-        owner = self.owner
-        owner.injected("before", self)
-        owner.report.advance()
-        seconds, outputs = self.timed(self.run_fused)
-        owner.report.advance()
-        owner.injected("after", self, outputs)
-        self.fused_seconds.append(seconds)
-        owner.replays += 1
-        owner.report.iterations += 1
-        self.check(outputs)
-        reference_seconds, _ = self.timed(self.run_reference)
-        self.reference_seconds.append(reference_seconds)
-
-    def check(self, outputs: tuple[torch.Tensor, torch.Tensor]) -> None:
-        norm_out, sum_out = outputs
-        for which, got, want in (
-            ("normed", norm_out, self.want_norm),
-            ("residual", sum_out, self.want_sum),
-        ):
-            found = compare(got, want, self.dtype)
-            if found is not None:
-                self.owner.mismatch(self, which, found)
-
-    def latency(self) -> dict[str, Any]:
-        return {
-            "tokens": self.tokens,
-            "fused": percentiles(self.fused_seconds),
-            "reference": percentiles(self.reference_seconds),
-        }
+    def send_capped(self, event: str, **fields: Any) -> None:
+        if self.sent < MISMATCH_REPORTS:
+            self.sent += 1
+            self.report.send(event, **fields)
 
 
 def die_with_launcher() -> None:
@@ -626,8 +540,8 @@ def main(argv: list[str]) -> None:
             traceback=traceback.format_exc(),
         )
         code = 1
-    # No teardown: after a GPU fault NCCL's may hang, and the launcher has
-    # what it needs.
+    # No teardown, no joins: after a GPU fault NCCL's may hang, and the
+    # launcher has what it needs.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -33,20 +33,8 @@ def summarize(
     lines = list(dict.fromkeys(line for e in events for line in e.get("lines", ())))
     configs = [e for e in events if e["event"] == "config" and e["rank"] == 0]
     mismatches = [e for e in events if e["event"] == "mismatch"]
-    latency: dict[tuple, dict[str, Any]] = {}
-    for event in (e for e in events if e["event"] == "latency"):
-        for bucket in event["buckets"]:
-            key = (event["dtype"], event["hidden"], bucket["tokens"])
-            row = latency.setdefault(
-                key,
-                {"dtype": key[0], "hidden": key[1], "tokens": key[2]},
-            )
-            for path in ("fused", "reference"):
-                for stat, value in bucket[path].items():
-                    name = f"{path}_{stat}_us"
-                    if value is not None:
-                        # The slowest rank's, as the group waits for it.
-                        row[name] = max(row.get(name, 0.0), value * 1e6)
+    known = known_issues(events, ranks)
+    latency = latency_rows([e for e in events if e["event"] == "latency"])
     iterations = min(s.iterations for s in ranks)
     cost = iteration_cost([e for e in events if e["event"] == "latency"])
     mismatch_count = sum(s.mismatches for s in ranks)
@@ -55,6 +43,11 @@ def summarize(
         reasons.append("a rank faulted or stalled")
     if mismatch_count:
         reasons.append(f"{mismatch_count} outputs out of tolerance")
+    for issue in known:
+        reasons.append(
+            f"FlashInfer known issue {issue['name']!r} (fixed in "
+            f"{issue['fixed_in']}): {issue['zeroed_tokens']} tokens zeroed"
+        )
     if not faults and not all(s.done for s in ranks):
         reasons.append("not every rank finished")
     if not faults and iterations == 0:
@@ -77,36 +70,79 @@ def summarize(
         "configs": [
             {k: c[k] for k in ("dtype", "hidden", "backend", "tokens")} for c in configs
         ],
+        "layers": getattr(args, "layers", None),
+        "input_sets": getattr(args, "input_sets", None),
         "iterations": iterations,
         "mismatches": mismatch_count,
         "mismatch_details": mismatches,
+        "known_issues": known,
         "faults": faults,
         "aftermath": aftermath,
-        "latency": list(latency.values()),
+        "latency": latency,
         "iteration_cost_us": cost,
         "startup_lines": lines,
     }
 
 
+def known_issues(events: list[dict[str, Any]], ranks: list[Any]) -> list[dict]:
+    """The known FlashInfer issues the outputs showed, apart from
+    mismatches: each with its fixing release and the tokens it zeroed."""
+    found: dict[str, dict[str, Any]] = {}
+    for event in (e for e in events if e["event"] == "known_issue"):
+        entry = found.setdefault(
+            event["name"],
+            {k: event[k] for k in ("name", "fixed_in", "effect")} | {"shapes": []},
+        )
+        shape = {k: event[k] for k in ("rank", "dtype", "hidden", "tokens")}
+        if shape not in entry["shapes"]:
+            entry["shapes"].append(shape)
+    for entry in found.values():
+        # Every zeroed token counts, also those past the events sent in full.
+        entry["zeroed_tokens"] = sum(s.findings for s in ranks)
+    return list(found.values())
+
+
+def latency_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per shape: the step's time (L fused calls with their GEMMs and
+    gathers) and fused calls per second; the slowest rank's."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for event in events:
+        for bucket in event["buckets"]:
+            key = (event["dtype"], event["hidden"], bucket["tokens"])
+            row = rows.setdefault(
+                key, {"dtype": key[0], "hidden": key[1], "tokens": key[2]}
+            )
+            for stat, value in bucket["step"].items():
+                if value is not None:
+                    name = f"step_{stat}_us"
+                    row[name] = max(row.get(name, 0.0), value * 1e6)
+            rate = bucket["fused_calls_per_second"]
+            if rate is not None:
+                row["fused_calls_per_second"] = min(
+                    row.get("fused_calls_per_second", rate), rate
+                )
+    return list(rows.values())
+
+
 def iteration_cost(events: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Wall time per checked iteration, split into the op, the NCCL +
-    RMSNorm reference and the rest (the harness's own cost: input copies,
-    the checker, progress); the slowest rank's."""
+    """Wall time per replayed step, split into the step (L fused calls),
+    queueing its checks and the rest (the harness's own cost: input loads,
+    reading the checks, progress); the slowest rank's."""
     per_rank: dict[int, list[float]] = {}
     for event in events:
         totals = per_rank.setdefault(event["rank"], [0, 0.0, 0.0, 0.0])
         totals[0] += event["iterations"]
         totals[1] += event["wall_seconds"]
         totals[2] += event["fused_seconds"]
-        totals[3] += event["reference_seconds"]
+        totals[3] += event["check_seconds"]
     costs = [
         {
             "total": wall / n * 1e6,
             "op": fused / n * 1e6,
-            "reference": reference / n * 1e6,
-            "harness": (wall - fused - reference) / n * 1e6,
+            "check": check / n * 1e6,
+            "harness": (wall - fused - check) / n * 1e6,
         }
-        for n, wall, fused, reference in per_rank.values()
+        for n, wall, fused, check in per_rank.values()
         if n
     ]
     if not costs:
@@ -122,7 +158,8 @@ def describe_fault(fault: dict[str, Any]) -> str:
 def describe_mismatch(m: dict[str, Any]) -> str:
     return (
         f"rank {m['rank']}: {m['dtype']} hidden {m['hidden']}, {m['tokens']} "
-        f"tokens, {m['output']} output, token {m['token']}: worst error "
+        f"tokens, layer {m['layer']} (input set {m['input_set']}), "
+        f"{m['output']} output, token {m['token']}: worst error "
         f"{m['worst_error']:.4g}, first bad value {m['got']:.6g} "
         f"(want {m['want']:.6g}) at column {m['column']}"
     )
@@ -133,7 +170,7 @@ def format_summary(result: dict[str, Any]) -> str:
     fi = result["flashinfer"] or {}
     platform = result["platform"] or {}
     if result["device"] == "cpu":
-        where = "CPU (reference kernel on gloo; no CUDA graphs, no host traffic)"
+        where = "CPU (emulated kernel on gloo; no CUDA graphs, no host gathers)"
     else:
         where = (
             f"{result['tp']} x {platform.get('gpu')} "
@@ -152,29 +189,37 @@ def format_summary(result: dict[str, Any]) -> str:
         f"  FlashInfer  {fi.get('release')} kernels"
         + (f" ({fi['package']})" if fi.get("package") else ""),
         f"  devices     {where}, {result['nodes']} node(s)",
-        f"  iterations  {result['iterations']} per rank in {result['elapsed']:.0f}s",
+        (
+            f"  iterations  {result['iterations']} steps of {result['layers']} "
+            f"layers per rank in {result['elapsed']:.0f}s, "
+            f"{result['input_sets']} input sets"
+        ),
         f"  mismatches  {result['mismatches']}",
     ]
     cost = result["iteration_cost_us"]
     if cost:
         lines.insert(
             -1,
-            f"  per iteration {cost['total']:.0f} us: op {cost['op']:.0f}, "
-            f"NCCL+RMSNorm {cost['reference']:.0f}, harness {cost['harness']:.0f}",
+            f"  per step    {cost['total']:.0f} us: step {cost['op']:.0f}, "
+            f"checks {cost['check']:.0f}, harness {cost['harness']:.0f}",
         )
     lines += [f"    {describe_mismatch(m)}" for m in result["mismatch_details"][:10]]
+    lines.append(f"  known issues {len(result['known_issues'])}")
+    lines += [
+        f"    {k['name']} (fixed in FlashInfer {k['fixed_in']}): "
+        f"{k['zeroed_tokens']} tokens zeroed; {k['effect']}"
+        for k in result["known_issues"]
+    ]
     lines.append(f"  faults      {len(result['faults'])}")
     lines += [f"    {describe_fault(f)}" for f in result["faults"]]
     if result["latency"]:
         lines.append(
-            "  latency (us)  dtype hidden tokens   fused p50    p99   "
-            "NCCL+RMSNorm p50    p99"
+            "  step (us)     dtype hidden tokens    p50      p99   fused calls/s"
         )
         for row in result["latency"]:
             lines.append(
                 f"                {row['dtype']:5} {row['hidden']:6} {row['tokens']:6} "
-                f"{row.get('fused_p50_us', 0):11.1f} {row.get('fused_p99_us', 0):6.1f} "
-                f"{row.get('reference_p50_us', 0):18.1f} "
-                f"{row.get('reference_p99_us', 0):6.1f}"
+                f"{row.get('step_p50_us', 0):8.1f} {row.get('step_p99_us', 0):8.1f} "
+                f"{row.get('fused_calls_per_second', 0):13.0f}"
             )
     return "\n".join(lines)

@@ -16,6 +16,7 @@ checked statically against the released sources instead
 import getpass
 import importlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -32,6 +33,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
 SCRIPT = BENCHMARKS / "check_fused_all_reduce.py"
 RANK = BENCHMARKS / "fused_all_reduce_rank.py"
+STEP = BENCHMARKS / "fused_all_reduce_step.py"
+REFERENCE = BENCHMARKS / "fused_all_reduce_reference.py"
 PROG = "check_fused_all_reduce"
 # Small shapes keep a CPU run short; the sweep and its checks are the same.
 SMALL = ["--dtypes", "bf16,fp16", "--hidden-sizes", "256"]
@@ -134,9 +137,9 @@ def test_cpu_run_passes_and_reports_what_ran(run_env: dict[str, str]) -> None:
     ]
     assert {row["tokens"] for row in result["latency"]} == set(tokens)
     row = result["latency"][0]
-    assert {"fused_p50_us", "fused_p99_us", "reference_p50_us", "reference_p99_us"} <= (
-        row.keys()
-    )
+    assert {"step_p50_us", "step_p99_us", "fused_calls_per_second"} <= row.keys()
+    assert result["layers"] == 2 and result["input_sets"] == 4
+    assert result["known_issues"] == []
     # The start-up line of this build's decision and the workspace's.
     assert any(
         "FlashInfer all-reduce backend for ranks" in line
@@ -202,6 +205,43 @@ def test_a_rank_killed_without_a_word_is_a_fault(run_env: dict[str, str]) -> Non
     assert result["elapsed"] < 60
 
 
+def test_an_output_never_written_is_a_fail(run_env: dict[str, str]) -> None:
+    """The op's norm_out comes poisoned: a kernel that stops writing it
+    leaves NaN, not last replay's (or another set's) good numbers."""
+    code, result, _ = run_json(
+        run_env, "--inject", "stale:1:2", "--seconds", "2", *ONE_SHAPE
+    )
+    assert code == 1 and not result["faults"]
+    details = result["mismatch_details"]
+    assert details and {m["rank"] for m in details} == {1}
+    assert {m["output"] for m in details} == {"normed"}
+    assert math.isnan(details[0]["got"])
+
+
+def test_the_fp16_overflow_is_its_own_finding(run_env: dict[str, str]) -> None:
+    """mnnvl on 0.7.2.post1 in fp16: the emulated one-shot zeroes the tokens
+    past 255.94; the run names the bug and its fix, with no mismatches."""
+    code, result, stderr = run_json(
+        {**run_env, "VLLM_FLASHINFER_ALLREDUCE_BACKEND": "mnnvl"},
+        "--seconds",
+        "2",
+        "--dtypes",
+        "fp16",
+        "--hidden-sizes",
+        "256",
+        "--max-tokens",
+        "8",
+    )
+    assert code == 1, stderr
+    assert result["backends"] == ["mnnvl"]
+    assert result["mismatches"] == 0 and not result["faults"]
+    (issue,) = result["known_issues"]
+    assert issue["name"] == "mnnvl fp16 RMSNorm overflow"
+    assert issue["fixed_in"] == "0.7.4" and issue["zeroed_tokens"] > 0
+    assert any("known issue" in r and "0.7.4" in r for r in result["reasons"])
+    assert "KNOWN ISSUE" in stderr
+
+
 def test_a_call_that_fell_back_to_nccl_is_a_fail(run_env: dict[str, str]) -> None:
     """The op's silent fallback gives correct numbers; it must still FAIL."""
     code, result, _ = run_json(
@@ -223,13 +263,14 @@ def test_a_call_that_fell_back_to_nccl_is_a_fail(run_env: dict[str, str]) -> Non
             "VLLM_FLASHINFER_ALLREDUCE_BACKEND",
         ),
         (["-tp", "2"], {}, "needs 2 GPUs"),
+        (["-tp", "3", "--device", "cpu"], {}, "no FlashInfer all-reduce size for TP 3"),
         (
             ["-tp", "2", "--device", "cpu"],
             {"no_all_reduce": "1"},
             "no fused all-reduce",
         ),
     ],
-    ids=["tp1", "unknown-backend", "no-gpu", "flashinfer-without-all-reduce"],
+    ids=["tp1", "unknown-backend", "no-gpu", "tp3", "flashinfer-without-all-reduce"],
 )
 def test_bad_input_is_one_line_and_exit_2_with_nothing_started(
     run_env: dict[str, str],
@@ -263,8 +304,8 @@ def launcher_module() -> ModuleType:
 
 
 @pytest.fixture
-def rank_module() -> ModuleType:
-    return load(RANK)
+def step_module() -> ModuleType:
+    return load(STEP)
 
 
 class _Proc:
@@ -310,32 +351,19 @@ def test_start_up_has_its_own_limit(launcher_module: ModuleType) -> None:
     assert launcher.faults
 
 
-def test_the_checker_reports_token_and_worst_error(rank_module: ModuleType) -> None:
+def test_fp16_inputs_go_past_256(step_module: ModuleType) -> None:
     import torch
 
-    want = torch.randn(4, 8)
-    got = want.to(torch.bfloat16)
-    assert rank_module.compare(got, want, "bf16") is None
-    got[2, 5] += 3
-    got[3, 1] = float("nan")
-    found = rank_module.compare(got, want, "bf16")
-    assert found["token"] == 2 and found["column"] == 5
-    assert found["bad_tokens"] == 2 and found["worst_error"] == float("inf")
-
-
-def test_fp16_inputs_go_past_256(rank_module: ModuleType) -> None:
-    import torch
-
-    partial, residual = rank_module.make_inputs(0, 16, 64, torch.float16, 0)
+    partial, residual = step_module.make_inputs(0, 16, 64, torch.float16, 0)
     assert residual.abs().max() > 256 and partial.abs().max() > 256
     assert torch.isfinite(residual).all() and torch.isfinite(partial).all()
 
 
 def test_the_sweep_straddles_the_pdl_edge_and_reaches_the_top(
-    rank_module: ModuleType,
+    step_module: ModuleType,
 ) -> None:
-    assert rank_module.token_counts(100) == [1, 2, 4, 8, 15, 16, 17, 32, 64, 100]
-    assert rank_module.token_counts(1) == [1]
+    assert step_module.token_counts(100) == [1, 2, 4, 8, 15, 16, 17, 32, 64, 100]
+    assert step_module.token_counts(1) == [1]
 
 
 def test_self_test_wants_the_right_rank(launcher_module: ModuleType) -> None:
@@ -350,3 +378,23 @@ def test_self_test_wants_the_right_rank(launcher_module: ModuleType) -> None:
     assert launcher_module.caught(fault, result) is None
     result["faults"][0]["ranks"] = [0]
     assert launcher_module.caught(fault, result)
+
+
+class _Unreaped(_Proc):
+    """A rank stuck in the driver: SIGKILL does not reap it."""
+
+    pid = 2**22 + 1  # above pid_max: killpg finds nothing
+
+    def wait(self, timeout: float | None = None) -> int:
+        assert timeout is not None, "every wait has a deadline"
+        raise subprocess.TimeoutExpired("rank", timeout)
+
+
+def test_stopping_a_rank_that_will_not_die_does_not_hang(
+    launcher_module: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    launcher = _launcher(launcher_module, [1, 1])
+    for state in launcher.ranks:
+        state.proc, state.closed = _Unreaped(None), True
+    launcher.stop_all()
+    assert "did not exit" in capsys.readouterr().err

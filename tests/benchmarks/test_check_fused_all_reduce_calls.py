@@ -4,11 +4,12 @@
 
 No GPU here can run fused_all_reduce_gpu.py, nor the FlashInfer calls vLLM's
 op makes for it. So every FlashInfer name and keyword that path uses is
-found by reading the code (ast): our GPU and rank modules, and the vLLM code
-the op reaches, and checked against the released sources of
+found by reading the code (ast): our GPU, rank and step modules, and the
+vLLM code the op reaches, and checked against the released sources of
 flashinfer-python 0.7.2.post1 and 0.7.4, read from the wheels; a call added
 to that code is checked too. The vLLM names our modules call are checked
-against the installed vllm.
+against the installed vllm, and HiSparse's gather, its row size and its
+call against the vllm 0.33.0 release wheel (the base wheel).
 """
 
 import ast
@@ -22,12 +23,25 @@ from pathlib import Path
 import pytest
 import tree_imports
 
+from tools import fetch
 from tools.couplings import _chain  # `a.b.c` -> ["a", "b", "c"]
+from tools.pins import load_pins
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
 RANK = BENCHMARKS / "fused_all_reduce_rank.py"
 GPU = BENCHMARKS / "fused_all_reduce_gpu.py"
+STEP = BENCHMARKS / "fused_all_reduce_step.py"
+OUR_GPU_PATH = (GPU, RANK, STEP)
+# HiSparse's gather as vLLM 0.33.0 registers it (in its _C_stable_libtorch
+# library) and calls it (vllm/v1/hisparse/runtime.py, `_swap_rows`).
+GATHER_OP = "hisparse_gather_compact"
+GATHER_SCHEMA = (
+    b"hisparse_gather_compact(Tensor host_cache, Tensor! hot_cache, "
+    b"Tensor miss_global_indices, Tensor miss_hot_indices, Tensor miss_counts) -> ()"
+)
+GATHER_LIBRARY = "vllm/_C_stable_libtorch.abi3.so"
+HISPARSE_RUNTIME = "vllm/v1/hisparse/runtime.py"
 FLASHINFER_RELEASES = ("0.7.2.post1", "0.7.4")
 
 # The GPU path, checked statically -----------------------------------------
@@ -67,7 +81,7 @@ def _installed_vllm() -> Path:
 def _chain_sources() -> list[tuple[str, ast.AST]]:
     """The GPU path's code: our two modules, and vLLM's op chain."""
     sources: list[tuple[str, ast.AST]] = [
-        (p.name, ast.parse(p.read_text())) for p in (GPU, RANK)
+        (p.name, ast.parse(p.read_text())) for p in OUR_GPU_PATH
     ]
     for rel, functions, where in VLLM_OP_CHAIN:
         root = _installed_vllm() if where == "installed" else REPO_ROOT
@@ -390,7 +404,7 @@ def test_a_drifted_flashinfer_call_is_caught(
 def _vllm_uses() -> Iterator[tuple[str, str, tuple[str, ...]]]:
     """(module, name, keywords) for each vLLM name our GPU-path modules
     import and call."""
-    for path in (GPU, RANK):
+    for path in OUR_GPU_PATH:
         tree = ast.parse(path.read_text())
         imported: dict[str, tuple[str, str]] = {}
         for node in ast.walk(tree):
@@ -451,3 +465,73 @@ def test_the_platform_methods_the_gpu_module_calls_exist_on_cuda() -> None:
         source = ast.parse((_installed_vllm() / rel).read_text())
         defined |= {n.name for n in ast.walk(source) if isinstance(n, ast.FunctionDef)}
     assert called <= defined, called - defined
+
+
+# HiSparse's gather and the capture mode, against the release ------------
+
+
+@pytest.fixture(scope="module")
+def base_wheel() -> zipfile.ZipFile:
+    """The vllm 0.33.0 release wheel this build is made from."""
+    return zipfile.ZipFile(fetch.fetch_base_wheel(load_pins()))
+
+
+def _calls_of(tree: ast.AST, attribute: str) -> list[ast.Call]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == attribute
+    ]
+
+
+def test_the_gather_is_called_as_the_release_registers_and_calls_it(
+    base_wheel: zipfile.ZipFile,
+) -> None:
+    """Our gather passes the five arguments of the release's schema, as its
+    runtime does, on the release's row size."""
+    names = set(base_wheel.namelist())
+    assert GATHER_LIBRARY in names and HISPARSE_RUNTIME in names
+    with base_wheel.open(GATHER_LIBRARY) as library:
+        data = library.read()
+    start = data.find(GATHER_OP.encode() + b"(Tensor")
+    end = data.find(b"-> ()", start) + len(b"-> ()")
+    # The library keeps the schema with its source's line breaks and indents.
+    assert start >= 0 and b" ".join(data[start:end].split()) == GATHER_SCHEMA
+    runtime = ast.parse(base_wheel.read(HISPARSE_RUNTIME))
+    upstream = _calls_of(runtime, GATHER_OP)
+    ours = _calls_of(ast.parse(GPU.read_text()), GATHER_OP)
+    assert upstream and ours
+    schema_arity = GATHER_SCHEMA.count(b"Tensor")
+    for call in upstream + ours:
+        assert len(call.args) == schema_arity and not call.keywords
+    rows = [
+        node.value.value
+        for node in runtime.body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "FP8_DS_MLA_ROW_BYTES" for t in node.targets)
+        and isinstance(node.value, ast.Constant)
+    ]
+    assert rows == [656]
+    # The stream handoffs our fork and join copy.
+    assert _calls_of(runtime, "wait_stream") and _calls_of(runtime, "wait_event")
+
+
+def test_a_changed_gather_call_is_caught() -> None:
+    """The arity check can fail: a call with a sixth argument."""
+    call = ast.parse("torch.ops._C_cache_ops.hisparse_gather_compact(a, b, c, d, e, f)")
+    (found,) = _calls_of(call, GATHER_OP)
+    assert len(found.args) != GATHER_SCHEMA.count(b"Tensor")
+
+
+def test_the_capture_mode_exists_in_torch() -> None:
+    """Thread-local capture: the keyword and its value, as torch takes them."""
+    import torch
+
+    calls = _calls_of(ast.parse(GPU.read_text()), "graph")
+    keywords = {k.arg: k.value for c in calls for k in c.keywords}
+    assert isinstance(keywords.get("capture_error_mode"), ast.Constant)
+    assert keywords["capture_error_mode"].value == "thread_local"
+    parameters = inspect.signature(torch.cuda.graph.__init__).parameters
+    assert "capture_error_mode" in parameters
