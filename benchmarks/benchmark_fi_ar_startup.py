@@ -12,10 +12,11 @@ like FlashInfer's handle exchange), so only the selection logic is measured.
 Reported per scenario and module: collective rounds and node probes on the
 group, process groups made (a gloo group's creation is a rendezvous of its
 ranks), and wall time (slowest rank, median over `--repeats` fresh groups).
-The patch adds an agreement round and a vote per creation, makes one gloo
-group per creation whose collectives time out within a bound, and counts
-nodes once instead of on every resolve; the target is no more collective
-rounds than stock.
+The patch adds an agreement round, and per creation a kernel-load vote and
+a vote on the outcome; it makes one bounded gloo group per backend for each
+group at its agreement (whatever the outcome, so every process makes the
+same groups), and counts nodes once instead of on every resolve. The target
+is no more collective rounds than stock.
 
     python benchmarks/benchmark_fi_ar_startup.py --ranks 8
 """
