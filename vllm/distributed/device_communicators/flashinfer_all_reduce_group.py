@@ -238,7 +238,8 @@ def resolve_fi_ar_backend(
     state = _groups[group]
     key = None if dtype is None else str(dtype).removeprefix("torch.")
     decision = state.decisions.get(key, state.decisions[None])
-    if key is not None and decision != state.decisions[None]:
+    # Only a dtype's own known issue makes its decision differ from the group's.
+    if decision.known_issue is not state.decisions[None].known_issue:
         _log_decision(f"ranks {_ranks(group)}, {key}", decision)
     return decision.backend, decision.allow_trtllm_fallback
 
