@@ -367,4 +367,4 @@ def test_docs_give_the_creation_bound_and_its_line(fi_ar):
         assert "still leaves the others" not in text
         assert bound in text
         assert "every rank gave it up" in text
-    assert "FI_AR_CREATE_TIMEOUT_S" in inspect.getdoc(fi_ar._create_workspace)
+    assert "FI_AR_CREATE_TIMEOUT_S" in inspect.getdoc(creation.create_on_every_rank)

@@ -1,18 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Description: with HiSparse on and `auto`, keep off mnnvl while the FlashInfer
-#  kernels lack the flashinfer#7782 fix (trtllm on one node, off across
-#  nodes), likewise fp16 on 0.7.2.post1's one-shot RMSNorm; the ranks of a
+# Description: keep HiSparse and fp16 off FlashInfer's mnnvl while its kernels
+#  lack the 0.7.4 fixes (trtllm on one node, off across nodes); the ranks of a
 #  group agree on the backend, and each workspace creation is bounded and
 #  voted, so no rank hangs. Logic: flashinfer_all_reduce_{policy,group}.py.
 # Bug: https://github.com/vllm-project/vllm/issues/64327
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
+# Origin: vendor
 # Forwarded: no
+# Applied-Upstream: no
 # Base: vllm==0.33.0
 # Last-Update: 2026-12-01
 # Drop-When: vLLM pins flashinfer-python>=0.7.4 and its ranks agree on the
-#  backend and bound each creation (docs/contributing/README.md).
-
+#  backend and bound each creation (docs/contributing/upstream.md).
 
 import atexit
 import os
@@ -34,6 +34,7 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     group_node_count,
     resolve_fi_ar_backend,
 )
+from vllm.distributed.parallel_state import _node_count  # noqa: F401
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
@@ -180,9 +181,7 @@ def _release_workspace(workspace: Any) -> None:
     workspace.destroy()
 
 
-def _resolve_fi_ar_backend(
-    group: ProcessGroup, dtype: torch.dtype | None = None
-) -> tuple[str | None, bool]:
+def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
     """Resolve the flashinfer allreduce backend for the current setup.
 
     Returns:
@@ -192,7 +191,7 @@ def _resolve_fi_ar_backend(
 
     Agreed by every rank of the group, once; see flashinfer_all_reduce_group.
     """
-    return resolve_fi_ar_backend(group, dtype)
+    return resolve_fi_ar_backend(group)
 
 
 def get_fi_ar_workspace(
@@ -213,7 +212,7 @@ def get_fi_ar_workspace(
     if _fi_ar_workspace is not None or _fi_ar_workspace_failed:
         return _fi_ar_workspace
 
-    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group, dtype)
+    backend, allow_trtllm_fallback = resolve_fi_ar_backend(group, dtype)
 
     if backend is None:
         return None
@@ -282,7 +281,7 @@ def get_fi_ar_quant_workspace(
     if _fi_ar_quant_workspace is not None or _fi_ar_quant_workspace_failed:
         return _fi_ar_quant_workspace
 
-    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group, dtype)
+    backend, allow_trtllm_fallback = resolve_fi_ar_backend(group, dtype)
 
     if backend is None:
         return None

@@ -18,8 +18,7 @@ FI_AR_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 # The dtypes FlashInferAllReduce.should_use_fi_ar accepts.
 FI_AR_DTYPES = ("float16", "bfloat16", "float32")
 EXPLAIN_COMMAND = "python -m vllm.explain_flashinfer_all_reduce"
-# FlashInfer's kernel modules, as flashinfer/jit/comm.py names them.
-MNNVL_MODULE = "trtllm_mnnvl_comm"
+MNNVL_MODULE = "trtllm_mnnvl_comm"  # gen_trtllm_mnnvl_comm_module's name
 
 
 @dataclass(frozen=True)
@@ -131,11 +130,8 @@ def installed_kernels() -> tuple[tuple[str, str], ...]:
 
 
 def kernel_release(inputs: FiArBackendInputs) -> tuple[Version | None, str]:
-    """The oldest release among the kernels that may run, and its package.
-
-    None where flashinfer-python is missing or a release cannot be read:
-    no fix counts then.
-    """
+    """The oldest release among the kernels that may run, and its package;
+    None (no fix counts) without flashinfer-python or a readable release."""
     oldest: tuple[Version | None, str] = (None, "no flashinfer-python")
     for package, release in inputs.kernels:
         try:
