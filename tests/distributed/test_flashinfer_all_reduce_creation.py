@@ -165,13 +165,6 @@ def test_a_world_group_forms_after_one_tp_group_fell_back(two_tp_groups):
     assert [r["world_group"] for r in results] == [4] * 4
 
 
-def test_the_communicator_loads_no_kernels(three_ranks):
-    """Building FlashInferAllReduce, as vLLM does for every TP group, loads
-    nothing: kernels load for a creation (a JIT build takes minutes)."""
-    for r in every_rank(three_ranks, "slow-kernel-build"):
-        assert r["constructor_loads"] == []
-
-
 def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
     """FlashInfer keeps the comm backend (checkpoint_prepare's barrier):
     after the creation it runs on vLLM's group, not the bounded one."""

@@ -57,6 +57,16 @@ def test_nodes_are_counted_once_per_group(one_node, case):
         assert r["node_probes"] == 1
 
 
+@pytest.mark.parametrize("case", ["auto", "hisparse"])
+def test_the_communicator_loads_no_kernels(one_node, case):
+    """Building FlashInferAllReduce, as vLLM does for every TP group, loads
+    nothing: kernels load for a creation (a JIT build takes minutes)."""
+    for r in every_rank(one_node, case):
+        assert not r["standalone_disabled"]
+        assert r["constructor_loads"] == []
+        assert r["kernel_loads"] == [r["workspace"]], "the creation loads them"
+
+
 def test_float16_workspaces_get_trtllm_on_unfixed_kernels(one_node):
     """The fp16 entry triggers on the workspace's dtype: the group line is
     mnnvl, then a float16 line says why its workspace is trtllm."""
