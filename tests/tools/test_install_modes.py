@@ -213,11 +213,11 @@ def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
     assert raw == names[1].read_bytes()  # reproducible
     assert raw[3] & 0x08 == 0  # no file name in the gzip header
     assert str(tree_imports.REPO_ROOT).encode() not in gzip.decompress(raw)
-    assert names[0].name == "vllm-0.33.0+hisparse2.tar.gz"
+    assert names[0].name == "vllm-0.33.0+hisparse3.tar.gz"
     with tarfile.open(names[0]) as tar:
         members = tar.getmembers()
-        pkg_info = tar.extractfile("vllm-0.33.0+hisparse2/PKG-INFO").read().decode()
-    top = "vllm-0.33.0+hisparse2/"
+        pkg_info = tar.extractfile("vllm-0.33.0+hisparse3/PKG-INFO").read().decode()
+    top = "vllm-0.33.0+hisparse3/"
     listed = sorted(m.name.removeprefix(top) for m in members)
     repo = tree_imports.REPO_ROOT
     expected = ["PKG-INFO", "README.md", "pyproject.toml"]
@@ -226,7 +226,7 @@ def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
     assert listed == sorted(expected)
     assert {m.uid for m in members} == {0} and {m.mtime for m in members} == {0}
     assert {m.uname for m in members} == {""}
-    assert "Version: 0.33.0+hisparse2\n" in pkg_info
+    assert "Version: 0.33.0+hisparse3\n" in pkg_info
     assert "Requires-Python: >=3.11,<3.15\n" in pkg_info
     assert "Dynamic: Requires-Dist\n" in pkg_info
 

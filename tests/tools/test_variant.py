@@ -50,8 +50,8 @@ BASE_REQUIRES = [
 DEFAULT = "0.33.0+hisparse1"
 VARIANT = "0.33.0+hisparse1.fi074"
 # This repository's builds: its pyproject.toml has its own local-label.
-REPO_DEFAULT = "0.33.0+hisparse2"
-REPO_VARIANT = "0.33.0+hisparse2.fi074"
+REPO_DEFAULT = "0.33.0+hisparse3"
+REPO_VARIANT = "0.33.0+hisparse3.fi074"
 ACCEPTED = "-C flashinfer=0.7.4, -C flashinfer=0.8.0"
 
 
