@@ -288,7 +288,7 @@ def check_tp_is_served(tp: int, capability: int | None) -> None:
         listed = ", ".join(map(str, served)) or "none"
         raise BadInput(
             f"-tp {tp}: vLLM 0.33.0 has no FlashInfer all-reduce size for TP "
-            f"{tp} {where} ({SIZE_TABLE[1]} serves TP {listed}), so its fused "
-            "all-reduce is off there, as `python -m "
-            "vllm.explain_flashinfer_all_reduce` says; give one of those"
+            f"{tp} {where} ({SIZE_TABLE[1]} serves TP {listed}), so "
+            "FlashInferAllReduce and the fusion pass leave it off there; give "
+            "one of those"
         )
