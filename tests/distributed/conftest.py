@@ -127,6 +127,17 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
             {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True},
             {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
             {"name": "fp16", "dtype": "float16"},
+            {
+                "name": "fp16-sm100-row",
+                "dtype": "float16",
+                "tuned": [100, 2, 1, 128],
+                "first": "standalone",
+            },
+            {
+                "name": "bf16-sm100-row",
+                "tuned": [100, 2, 1, 128],
+                "first": "standalone",
+            },
             {"name": "fp16-explicit-mnnvl", "dtype": "float16", "env": {ENV: "mnnvl"}},
             {"name": "mnnvl-fails-on-rank-1", "per_rank": {"1": {"fail": ["mnnvl"]}}},
             {

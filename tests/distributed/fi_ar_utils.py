@@ -80,14 +80,19 @@ class FakeWorkspaceFactory:
     at once with exit status RANK_WOULD_HANG, so the group fails in seconds
     rather than at its timeout. `fail_before` lists backends whose creation
     fails on this rank before that exchange (an allocation, say), while the
-    other ranks wait in it; `fail` those that fail after it; `multicast` is
-    what an mnnvl workspace reports.
+    other ranks wait in it; `fail` those that fail after it; `late_seconds`
+    is how long this rank takes before the exchange; `multicast` is what an
+    mnnvl workspace reports; `returns` is what it returns instead of a new
+    workspace. `sizes` records each creation's backend and token count.
     """
 
     fail: set[str] = field(default_factory=set)
     fail_before: set[str] = field(default_factory=set)
+    late_seconds: float = 0.0
     multicast: bool = True
+    returns: Any = None
     log: list[str] = field(default_factory=list)
+    sizes: list[tuple[str, int]] = field(default_factory=list)
 
     def __call__(
         self,
@@ -100,6 +105,8 @@ class FakeWorkspaceFactory:
         import torch.distributed as dist
 
         self.log.append(f"create:{backend}")
+        self.sizes.append((backend, kwargs["max_token_num"]))
+        time.sleep(self.late_seconds)
         if backend in self.fail_before:
             raise RuntimeError(f"injected {backend} workspace failure before exchange")
         if backend == "trtllm":
@@ -123,7 +130,7 @@ class FakeWorkspaceFactory:
                 os._exit(RANK_WOULD_HANG)
         if backend in self.fail:
             raise RuntimeError(f"injected {backend} workspace failure")
-        return FakeWorkspace(backend, self.multicast, self.log)
+        return self.returns or FakeWorkspace(backend, self.multicast, self.log)
 
     @property
     def attempts(self) -> list[str]:
@@ -486,8 +493,9 @@ COLLECTIVES = (
 
 
 class CollectiveCounter:
-    """Counts collective rounds, vLLM's node probes and process groups made
-    (making a gloo group is a rendezvous of its ranks too) while installed."""
+    """Counts collective rounds (on the group, or over its store in the
+    patch's creations), vLLM's node probes and process groups made (making a
+    gloo group is a rendezvous of its ranks too) while installed."""
 
     def __init__(self) -> None:
         self.collectives = 0
@@ -503,6 +511,11 @@ class CollectiveCounter:
         for name in COLLECTIVES:
             patch.setattr(dist, name, self._counting(getattr(dist, name)))
         patch.setattr(dist, "new_group", self._making(dist.new_group))
+        if _has_module(GROUP_MODULE):
+            import importlib
+
+            comm = importlib.import_module(GROUP_MODULE)._CreationCommBackend
+            patch.setattr(comm, "_exchange", self._counting(comm._exchange))
         probe = parallel_state.in_the_same_node_as
         patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
 
@@ -574,6 +587,23 @@ def _run_rank(rank: int, spec_path: str) -> None:
             f.write(json.dumps(result) + "\n")
 
 
+@dataclass
+class CudaTensorStandIn:
+    """What FlashInferAllReduce.should_use_fi_ar reads of a GPU tensor."""
+
+    shape: tuple[int, int]
+    dtype: Any
+    is_cuda: bool = True
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    @property
+    def nbytes(self) -> int:
+
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
+
 def _has_module(name: str) -> bool:
     import importlib.util
 
@@ -588,9 +618,15 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     exchange), fabric, load_seconds and load_fails (see
     FakeFlashInferDevice), bound (the creation's collective bound, in
     seconds), reacquire (destroy, then acquire again outside the config),
-    dtype (the workspaces'), tp (the TP groups' ranks, default one of all)
-    and world_group_after (then make a world-wide group, with this
-    timeout); `per_rank` maps a rank to overrides of any of them.
+    dtype (the workspaces'), tp (the TP groups' ranks, default one of all),
+    world_group_after (then make a world-wide group, with this timeout),
+    late_seconds (see FakeWorkspaceFactory), tuned ([capability, TP size,
+    nodes, MB], a row added to vLLM's tuned mnnvl sizes), first
+    ("standalone": the standalone all-reduce's first call creates the
+    workspace, before the fusion pass), idle (this rank's group acquires
+    nothing) and foreign_workspace (FlashInfer returns a workspace vLLM
+    already tied to the world group); `per_rank` maps a rank to overrides
+    of any of them.
     Each case gets a new gloo group, as a new engine would, so per-group
     state starts cold. The result counts collective rounds and node probes,
     and times the acquisition.
@@ -612,6 +648,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     factory = FakeWorkspaceFactory(
         fail=set(case.get("fail", [])),
         fail_before=set(case.get("fail_before", [])),
+        late_seconds=case.get("late_seconds", 0.0),
         multicast=case.get("multicast", True),
     )
     device = FakeFlashInferDevice(
@@ -633,6 +670,12 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             # Stock vLLM has no bound to set.
             group_module = importlib.import_module(GROUP_MODULE)
             patch.setattr(group_module, "FI_AR_CREATE_TIMEOUT_S", case["bound"])
+        if "tuned" in case:
+            *row, size_mb = case["tuned"]
+            patch.setitem(fi_ar.FI_MNNVL_ALLREDUCE_MAX_SIZE_MB, tuple(row), size_mb)
+        if case.get("foreign_workspace"):
+            factory.returns = FakeWorkspace("mnnvl", True, factory.log)
+            fi_ar._fi_ar_workspace_groups[id(factory.returns)] = dist.group.WORLD
         config = build_config(case.get("hisparse", "off"))
         # Every rank makes every TP group, as vLLM's GroupCoordinator does.
         tp_groups = case.get("tp", [list(range(dist.get_world_size()))])
@@ -649,20 +692,9 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         counter = CollectiveCounter()
         counter.install(patch)
         start = time.perf_counter()
-        with set_current_vllm_config(config):
-            standalone = fi_ar.FlashInferAllReduce(group=group, device="cpu")
-            result["standalone_disabled"] = standalone.disabled
-            result["constructor_loads"] = list(device.loads)
-            ws = fi_ar.get_fi_ar_workspace(**args)
-            quant = fi_ar.get_fi_ar_quant_workspace(**args)
-            result["resolved"] = fi_ar._resolve_fi_ar_backend(group)
-            result["workspace"] = None if ws is None else ws.backend
-            result["quant"] = None if quant is None else quant.backend
-            result["shared"] = ws is not None and ws is quant
-            if not standalone.disabled:
-                result["standalone_ready"] = standalone._ensure_workspace(
-                    HIDDEN_DIM, args["dtype"]
-                )
+        if not case.get("idle"):
+            with set_current_vllm_config(config):
+                _acquire(fi_ar, case, args, result, device.loads)
         result["seconds"] = time.perf_counter() - start
         if case.get("reacquire"):
             # As after a recompile or sleep/wake: destroyed, then acquired
@@ -697,6 +729,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         result["traceback"] = traceback.format_exc()
     finally:
         result["log"] = factory.log
+        result["sizes"] = factory.sizes
         result["fabric_probes"] = device.probes
         result["kernel_loads"] = device.loads
         result["messages"] = messages.lines
@@ -705,6 +738,38 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             fi_ar.destroy_fi_ar_workspace()
         patch.undo()
     return result
+
+
+def _acquire(
+    fi_ar: Any,
+    case: dict[str, Any],
+    args: dict[str, Any],
+    result: dict[str, Any],
+    kernel_loads: list[str],
+) -> None:
+    """What a worker does: the standalone all-reduce, then the fusion pass's
+    workspace and quant workspace (or the standalone's first call first)."""
+    group = args["group"]
+    standalone = fi_ar.FlashInferAllReduce(group=group, device="cpu")
+    result["standalone_disabled"] = standalone.disabled
+    result["constructor_loads"] = list(kernel_loads)
+    if case.get("first") == "standalone":
+        one_token = CudaTensorStandIn((1, HIDDEN_DIM), args["dtype"])
+        result["standalone_first"] = standalone.should_use_fi_ar(one_token)
+    ws = fi_ar.get_fi_ar_workspace(**args)
+    quant = fi_ar.get_fi_ar_quant_workspace(**args)
+    result["resolved"] = fi_ar._resolve_fi_ar_backend(group)
+    result["workspace"] = None if ws is None else ws.backend
+    result["quant"] = None if quant is None else quant.backend
+    result["shared"] = ws is not None and ws is quant
+    if not standalone.disabled:
+        result["standalone_ready"] = standalone._ensure_workspace(
+            HIDDEN_DIM, args["dtype"]
+        )
+        result["standalone_size"] = [
+            standalone.max_workspace_size,
+            standalone.max_num_tokens,
+        ]
 
 
 def run_reinit(cycles: int, *, timeout: float = 120) -> dict[str, Any]:
@@ -722,11 +787,11 @@ def run_reinit(cycles: int, *, timeout: float = 120) -> dict[str, Any]:
 
 
 def _reinit_cycles(cycles: int, out_path: str) -> None:
-    """Each cycle: a world and a TP-like group, workspaces, then teardown.
-
-    The teardown is vLLM's: destroy the workspace, then the group and the
-    world. Records whether each cycle's group object was freed and how many
-    threads and file descriptors (gloo's are per group) the process holds.
+    """Each cycle, in one world: a TP-like group, its workspaces, then
+    vLLM's teardown of the model-parallel state: destroy the workspace, then
+    the group. Records whether each cycle's group object was freed, and how
+    many process groups, threads and file descriptors (gloo's are per group)
+    the process holds.
     """
     import gc
     import importlib
@@ -750,22 +815,22 @@ def _reinit_cycles(cycles: int, out_path: str) -> None:
     )
     groups = []
     held = []
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     for _ in range(cycles):
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-        )
         group = dist.new_group(backend="gloo")
         with set_current_vllm_config(build_config("connector")):
             fi_ar.get_fi_ar_workspace(**workspace_args(group, world_size=1))
             fi_ar.get_fi_ar_quant_workspace(**workspace_args(group, world_size=1))
         fi_ar.destroy_fi_ar_workspace()
         dist.destroy_process_group(group)
-        dist.destroy_process_group()
         groups.append(weakref.ref(group))
         del group
         gc.collect()
         held.append(
             {
+                "process_groups": len(dist.distributed_c10d._world.pg_map),
                 "threads": len(os.listdir("/proc/self/task")),
                 "fds": len(os.listdir("/proc/self/fd")),
             }

@@ -126,8 +126,8 @@ def test_flashinfer_auto_backend_hisparse_single_node_uses_trtllm(
     assert fake_ws.attempts == ["trtllm"], "must never try mnnvl first"
     [line] = _info_lines(caplog)
     assert line.startswith("FlashInfer all-reduce backend for ranks (0,): trtllm (auto")
-    # One short line: the crash, the issue, and where the rest is.
-    for needed in ("mnnvl crashes with HiSparse", "flashinfer#7782", "details: "):
+    # One short line: the crash, the issue, and its fix.
+    for needed in ("mnnvl crashes with HiSparse", "flashinfer#7782", "fixed in 0.7.4"):
         assert needed in line
 
 
@@ -348,7 +348,8 @@ def test_workspace_failure_on_one_of_two_ranks_is_released_on_the_other(one_node
         assert len(lines) == 1
         assert lines[0].startswith(
             "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): "
-            "failed on rank 1 (see the log there); every rank gave it up"
+            "failed on rank 1 (Failed to initialize FlashInfer All Reduce workspace: "
+            "injected trtllm workspace failure.); every rank gave it up"
         )
         assert r["log"].count("create:trtllm") == 1
 

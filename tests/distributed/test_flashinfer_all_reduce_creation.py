@@ -22,6 +22,8 @@ BOUND = 3
 MARGIN = 12
 # Longer than the bound: a cold JIT build of the kernels, say.
 SLOW_LOAD = 2 * BOUND
+# How late a rank comes to FlashInfer's first collective.
+LATE = BOUND + 4
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +79,11 @@ def test_a_rank_failing_before_the_rendezvous_falls_back_on_every_rank(
         assert r["workspace"] == r["quant"] == "trtllm"
         assert r["seconds"] < BOUND + MARGIN
         [line] = _failure_lines(r)
-        assert line.startswith(
+        assert line == (
             "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2): "
-            "failed on rank 2 (see the log there); every rank gave it up"
+            "failed on rank 2 (Failed to initialize FlashInfer All Reduce "
+            "workspace: injected mnnvl workspace failure before exchange.); every "
+            "rank gave it up."
         )
 
 
@@ -103,7 +107,10 @@ def test_a_rank_failing_after_the_rendezvous_falls_back_on_every_rank(
         assert r["workspace"] == r["quant"] == "trtllm"
         assert r["seconds"] < BOUND + MARGIN
         [line] = _failure_lines(r)
-        assert "failed on rank 1 (see the log there)" in line
+        assert (
+            "failed on rank 1 (Failed to initialize FlashInfer All Reduce "
+            "workspace: injected mnnvl workspace failure.)"
+        ) in line
     for r in (results[0], results[2]):
         assert "destroy:mnnvl" in r["log"], "a workspace the group gave up on"
 
@@ -126,19 +133,21 @@ def test_kernels_failing_to_load_on_one_rank_fall_back_before_any_attempt(
         assert r["workspace"] == r["quant"] == "trtllm"
         assert "create:mnnvl" not in r["log"], "mnnvl is never attempted"
         [line] = _failure_lines(r)
-        assert "mnnvl all-reduce workspace for ranks (0, 1, 2): rank 0 could " in line
-        error = "RuntimeError: injected mnnvl kernel build failure"
-        assert (
-            f"could not load its kernels ({error if r['rank'] == 0 else 'see there'})"
-            in line
+        assert line.startswith(
+            "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2): "
+            "could not load kernels on rank 0 (RuntimeError: injected mnnvl kernel "
+            "build failure); every rank gave it up."
         )
 
 
 @pytest.fixture(scope="module")
 def two_tp_groups() -> list[dict[str, dict[str, Any]]]:
-    """Four ranks in TP groups {0, 1} and {2, 3}; only {0, 1} lacks
-    multicast, so only it falls back from mnnvl to trtllm."""
+    """Four ranks in TP groups {0, 1} and {2, 3}: only {0, 1} lacks
+    multicast, so only it falls back from mnnvl to trtllm; or only {0, 1}
+    reaches the workspace (as the fusion pass or a model's own fused op
+    reach it, at different times per TP group)."""
     no_multicast = {"multicast": False}
+    idle = {"idle": True}
     return run_group(
         [
             {
@@ -146,7 +155,13 @@ def two_tp_groups() -> list[dict[str, dict[str, Any]]]:
                 "tp": [[0, 1], [2, 3]],
                 "world_group_after": 30,
                 "per_rank": {"0": no_multicast, "1": no_multicast},
-            }
+            },
+            {
+                "name": "one-group-acquires",
+                "tp": [[0, 1], [2, 3]],
+                "world_group_after": 30,
+                "per_rank": {"2": idle, "3": idle},
+            },
         ],
         nnodes=1,
         ranks_per_node=4,
@@ -161,8 +176,93 @@ def test_a_world_group_forms_after_one_tp_group_fell_back(two_tp_groups):
     after start-up would otherwise hang."""
     results = every_rank(two_tp_groups, "one-falls-back")
     assert [r["workspace"] for r in results] == ["trtllm"] * 2 + ["mnnvl"] * 2
-    assert len({r["groups"] for r in results}) == 1
+    assert [r["groups"] for r in results] == [0] * 4
     assert [r["world_group"] for r in results] == [4] * 4
+
+
+@pytest.mark.slow_rank_group
+def test_a_world_group_forms_after_only_one_tp_group_agreed(two_tp_groups):
+    """The agreement and the creation make no process group: a world-wide
+    new_group forms after only one TP group reached them."""
+    results = every_rank(two_tp_groups, "one-group-acquires")
+    assert [r.get("workspace") for r in results] == ["mnnvl"] * 2 + [None] * 2
+    assert [r["groups"] for r in results] == [0] * 4
+    assert [r["world_group"] for r in results] == [4] * 4
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, dict[str, Any]]]:
+    """Two ranks on one node, rank 1 the odd one out in each case."""
+    return run_group(
+        [
+            {
+                "name": "late-rank",
+                "hisparse": "connector",
+                "bound": BOUND,
+                "per_rank": {"1": {"late_seconds": LATE}},
+            },
+            {
+                "name": "fails-on-local-rank-1",
+                "per_rank": {"1": {"env": {"LOCAL_RANK": "1"}, "fail": ["mnnvl"]}},
+            },
+            {
+                "name": "raises-on-rank-1",
+                "hisparse": "connector",
+                "bound": BOUND,
+                "per_rank": {"1": {"foreign_workspace": True}},
+            },
+        ],
+        nnodes=1,
+        ranks_per_node=2,
+        timeout=120,
+    )
+
+
+def test_the_late_rank_is_the_one_named(two_ranks):
+    """Rank 0 gives up waiting at the bound; rank 1 comes later and finds
+    rank 0's part there. Both name rank 1."""
+    for r in every_rank(two_ranks, "late-rank"):
+        assert r["workspace"] is None and r["quant"] is None
+        [line] = _failure_lines(r)
+        assert line == (
+            "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): "
+            f"rank 1 did not answer within {BOUND} s; every rank gave it up."
+        )
+        assert r["seconds"] < LATE + MARGIN
+
+
+def test_a_failure_on_a_rank_that_is_not_local_rank_0_reaches_the_log(two_ranks):
+    """vLLM's *_once lines print on local rank 0 only: rank 1's error comes
+    to rank 0's log in the vote."""
+    rank0, rank1 = every_rank(two_ranks, "fails-on-local-rank-1")
+    for r in (rank0, rank1):
+        assert r["workspace"] == r["quant"] == "trtllm"
+    [line] = _failure_lines(rank0)
+    assert (
+        "failed on rank 1 (Failed to initialize FlashInfer All Reduce workspace: "
+        "injected mnnvl workspace failure.)"
+    ) in line
+    assert not [m for m in rank1["messages"] if m.startswith("WARNING")]
+
+
+def test_an_exception_inside_the_creation_goes_through_the_vote(two_ranks):
+    """Upstream's own RuntimeError on rank 1 is raised there after the vote;
+    rank 0 gives its workspace up at once, not at vLLM's 30-minute timeout."""
+    rank0, rank1 = (r["raises-on-rank-1"] for r in two_ranks)
+    assert rank1["error"] == (
+        "RuntimeError: FlashInfer returned an all-reduce workspace already "
+        "associated with a different process group"
+    )
+    assert "error" not in rank0, rank0.get("traceback")
+    assert rank0["workspace"] is None and rank0["quant"] is None
+    assert "destroy:trtllm" in rank0["log"]
+    [line] = _failure_lines(rank0)
+    assert line == (
+        "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): failed on "
+        "rank 1 (RuntimeError: FlashInfer returned an all-reduce workspace already "
+        "associated with a different process group); every rank gave it up."
+    )
+    assert rank0["seconds"] < MARGIN
 
 
 def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
@@ -184,8 +284,8 @@ def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
     )
     assert kept[0].steps == 1
     kept[0].barrier()
-    assert kept[0].steps == 1, "collectives after the creation are not counted"
-    assert kept[0]._current._group is cpu_group
+    assert kept[0].steps == 1, "after the creation, collectives run on vLLM's group"
+    assert kept[0]._after._group is cpu_group
     assert dist.get_world_size(cpu_group) == 1
 
 

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from fi_ar_utils import (
     ENV,
+    FUSION_MAX_SIZE_MB,
     GROUP_MODULE,
+    HIDDEN_DIM,
     every_rank,
     namespaces_unavailable,
     pin_gpu,
@@ -68,28 +70,48 @@ def test_the_communicator_loads_no_kernels(one_node, case):
 
 
 def test_float16_workspaces_get_trtllm_on_unfixed_kernels(one_node):
-    """The fp16 entry triggers on the workspace's dtype: the group line is
-    mnnvl, then a float16 line says why its workspace is trtllm."""
+    """The fp16 entry triggers on the workspace's dtype: the group's one
+    start-up line says what each workspace dtype gets, and why."""
     for r in every_rank(one_node, "fp16"):
         assert r["workspace"] == r["quant"] == "trtllm"
         assert r["standalone_ready"]
         assert "create:mnnvl" not in r["log"]
-        group_line, dtype_line = _startup_lines(r)
-        assert group_line.startswith(
-            "INFO FlashInfer all-reduce backend for ranks (0, 1): mnnvl"
+        [line] = _startup_lines(r)
+        float16, others = line.split("; mnnvl for ")
+        assert float16.startswith(
+            "INFO FlashInfer all-reduce backend for ranks (0, 1): trtllm for "
+            "float16 (auto, the workspace is float16: using trtllm on a single node"
         )
-        assert dtype_line.startswith(
-            "INFO FlashInfer all-reduce backend for ranks (0, 1), float16: trtllm "
-            "(auto, the workspace is float16: using trtllm on a single node"
-        )
-        assert "mnnvl fp16 RMSNorm overflow" in dtype_line
+        assert "mnnvl fp16 RMSNorm overflow" in float16
+        assert others.startswith("bfloat16, float32 (auto, single node")
+
+
+def test_float16_workspace_is_sized_for_trtllm(one_node):
+    """With a tuned mnnvl size for the group (an SM100 row), a float16
+    workspace that the standalone all-reduce creates first is trtllm, sized
+    as stock sizes trtllm (the fusion size table), not with mnnvl's tuned
+    size; should_use_fi_ar checks against the same figure."""
+    fusion_tokens = FUSION_MAX_SIZE_MB[2] * 2**20 // (HIDDEN_DIM * 2)
+    for r in every_rank(one_node, "fp16-sm100-row"):
+        assert r["standalone_first"]
+        assert r["sizes"] == [["trtllm", fusion_tokens]]
+        assert r["standalone_size"] == [FUSION_MAX_SIZE_MB[2] * 2**20, fusion_tokens]
+    # The same row sizes bfloat16's mnnvl workspace from the tuned table.
+    tuned_tokens = 128 * 2**20 // (HIDDEN_DIM * 2)
+    for r in every_rank(one_node, "bf16-sm100-row"):
+        assert r["sizes"] == [["mnnvl", tuned_tokens]]
+        assert r["standalone_size"] == [128 * 2**20, tuned_tokens]
 
 
 def test_explicit_mnnvl_for_float16_is_obeyed_with_one_warning(one_node):
     for r in every_rank(one_node, "fp16-explicit-mnnvl"):
         assert r["workspace"] == r["quant"] == "mnnvl"
         [warning] = [m for m in r["messages"] if m.startswith("WARNING")]
-        assert f"{ENV}=mnnvl is set explicitly, and mnnvl zeroes" in warning
+        assert warning == _startup_lines(r)[0]
+        assert warning.startswith(
+            "WARNING FlashInfer all-reduce backend for ranks (0, 1): mnnvl for "
+            f"float16 ({ENV}=mnnvl is set explicitly, and mnnvl zeroes"
+        )
         assert warning.endswith(f"Unset {ENV} to let vLLM pick a safe backend.")
 
 
@@ -201,7 +223,10 @@ def test_one_node_of_two_failing_turns_every_rank_off(two_nodes_of_two):
         assert r["workspace"] is None and r["quant"] is None
         assert r["log"].count("create:mnnvl") == 1
         [line] = [m for m in r["messages"] if "every rank gave it up" in m]
-        assert "failed on ranks 2, 3 (see the log there)" in line
+        assert (
+            "failed on ranks 2, 3 (Failed to initialize FlashInfer All Reduce "
+            "workspace: injected mnnvl workspace failure before exchange.)"
+        ) in line
 
 
 @requires_namespaces
@@ -274,9 +299,9 @@ def test_hisparse_across_nodes_counts_an_older_provider(fi074_older_provider):
 
 
 def test_destroyed_groups_are_freed_across_reinitialisation():
-    """Per-group state must not keep destroyed groups, nor their gloo state:
-    repeated LLM() in one process tears the distributed state down and
-    builds it again."""
+    """Per-group state must not keep destroyed groups, nor make process
+    groups, gloo threads or sockets of its own: repeated LLM() in one
+    process tears the model-parallel state down and builds it again."""
     reinit = run_reinit(cycles=3)
     assert reinit["alive"] == [False, False, False]
     first, *later = reinit["held"]

@@ -10,7 +10,7 @@
 # Forwarded: no
 # Applied-Upstream: no
 # Base: vllm==0.33.0
-# Last-Update: 2026-12-01
+# Last-Update: 2026-12-02
 # Drop-When: vLLM pins flashinfer-python>=0.7.4 and its ranks agree on the
 #  backend and bound each creation (docs/contributing/upstream.md).
 
@@ -31,6 +31,7 @@ from vllm.distributed.device_communicators.all_reduce_utils import (
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     create_on_every_rank,
+    creation_warning,
     group_node_count,
     resolve_fi_ar_backend,
 )
@@ -115,20 +116,20 @@ def _create_workspace_on_rank(
             )
         if backend == "mnnvl" and not getattr(workspace, "mc_ptr", 0):
             workspace.destroy()
-            logger.warning_once(
+            creation_warning(
                 "FlashInfer MNNVL multicast is unavailable on the current topology."
             )
             return None
     except Exception as e:
         if "multicast" in str(e).lower():
-            logger.warning_once(
+            creation_warning(
                 "Failed to initialize FlashInfer All Reduce workspace: %s. "
                 "This is expected on GPUs without NVSwitch (e.g., NVLink "
                 "bridge-only or PCIe topologies).",
                 e,
             )
         else:
-            logger.warning_once(
+            creation_warning(
                 "Failed to initialize FlashInfer All Reduce workspace: %s.",
                 e,
             )
@@ -464,11 +465,19 @@ class FlashInferAllReduce:
         self.max_num_tokens = 0
         self.disabled = False
 
+    def _size_workspace(self, hidden_dim: int, dtype: torch.dtype) -> None:
+        """Size as __init__ does, for the backend a `dtype` workspace gets: a
+        known issue can move one dtype from mnnvl (tuned size) to trtllm."""
+        if resolve_fi_ar_backend(self.group, dtype)[0] == "trtllm":
+            max_size_mb = PassConfig.default_fi_allreduce_fusion_max_size_mb()
+            self.max_workspace_size = int(max_size_mb[self.world_size] * MiB)
+        element_size = torch.tensor([], dtype=dtype, device="cpu").element_size()
+        self.max_num_tokens = self.max_workspace_size // (hidden_dim * element_size)
+
     def _ensure_workspace(self, hidden_dim: int, dtype: torch.dtype) -> bool:
         """Ensure the all reduce workspace is initialized."""
         if self.max_num_tokens == 0:
-            element_size = torch.tensor([], dtype=dtype, device="cpu").element_size()
-            self.max_num_tokens = self.max_workspace_size // (hidden_dim * element_size)
+            self._size_workspace(hidden_dim, dtype)
         workspace = get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
@@ -507,8 +516,7 @@ class FlashInferAllReduce:
 
         num_tokens, hidden_dim = input_tensor.shape
         if not self.max_num_tokens:
-            element_size = torch.tensor([], dtype=input_tensor.dtype).element_size()
-            self.max_num_tokens = self.max_workspace_size // (hidden_dim * element_size)
+            self._size_workspace(hidden_dim, input_tensor.dtype)
 
         if num_tokens > self.max_num_tokens:
             return False

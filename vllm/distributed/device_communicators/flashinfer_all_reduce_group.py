@@ -6,12 +6,16 @@
 
 Creating a workspace is collective, so the ranks of a group agree on the
 backend once, and each creation ends the same way on every rank in bounded
-time."""
+time. Nothing here makes a process group: torch numbers groups per process,
+so a process that made one more than its peers would hang in their next
+new_group."""
 
 import dataclasses
 import importlib
+import pickle
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -45,14 +49,8 @@ BACKEND_KERNEL_LOADERS = {
     "trtllm": ("flashinfer.comm.trtllm_ar", "get_trtllm_comm_module"),
     "mnnvl": ("flashinfer.comm.trtllm_mnnvl_ar", "get_trtllm_mnnvl_comm_module"),
 }
-# A decision travels as 3 bits per dtype key: backend index * 2 + fallback.
-_BACKENDS = (None, "trtllm", "mnnvl")
+# The workspace dtypes a group decides for; None is the dtype not yet known.
 _DTYPE_KEYS = (None, *FI_AR_DTYPES)
-_NO_FABRIC = 1 << 3 * len(_DTYPE_KEYS)
-# The collectives of FlashInfer's CommBackend (flashinfer/comm/comm_backend.py).
-_COLLECTIVES = ("allgather", "bcast", "barrier")
-# How a rank's part of a creation ended (the code's low 2 bits).
-_OK, _FAILED, _WAITED = 0, 1, 2
 
 
 @dataclasses.dataclass
@@ -60,15 +58,16 @@ class _Group:
     """What every rank of a group agreed on, and how its creations went."""
 
     decisions: dict[str | None, FiArBackendDecision]
-    channels: dict[str, ProcessGroup]
-    """Per backend, the bounded gloo group of FlashInfer's creation."""
     failed: set[str] = dataclasses.field(default_factory=set)
+    creations: int = 0
+    """Numbers each creation's keys in the group's store."""
 
 
-# Held weakly, or destroyed groups' gloo threads and sockets would outlive
-# each re-initialisation (repeated LLM()).
+# Held weakly, so that per-group state goes with its group.
 _groups: weakref.WeakKeyDictionary[ProcessGroup, _Group] = weakref.WeakKeyDictionary()
 _node_counts: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
+# Upstream's warnings for a creation that failed on this rank, for its vote.
+_creation_warnings: list[str] = []
 
 
 def group_node_count(group: ProcessGroup) -> int:
@@ -102,58 +101,38 @@ def nvlink_fabric() -> bool:
         return False
 
 
-def gather_codes(group: ProcessGroup, code: int) -> list[int]:
-    """One int from each rank of `group`, in rank order."""
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in _ranks(group)]
-    dist.all_gather(gathered, torch.tensor([code], dtype=torch.int64), group=group)
-    return [int(c.item()) for c in gathered]
+def creation_warning(msg: str, *args: Any) -> None:
+    """Upstream's warning that a creation failed on this rank. vLLM logs
+    *_once lines on local rank 0 only, so the text travels in the
+    creation's vote, and every rank's give-up line carries it."""
+    _creation_warnings.append(msg % args)
+
+
+def _gather(group: ProcessGroup, mine: Any) -> list[Any]:
+    """One object from each rank of `group`, in rank order."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
 
 
 def _ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _some(ranks: list[int]) -> str:
+def _some(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
-def _encode(decisions: dict[str | None, FiArBackendDecision]) -> int:
-    return sum(
-        (_BACKENDS.index(d.backend) * 2 + d.allow_trtllm_fallback) << (3 * i)
-        for i, d in enumerate(decisions.values())
-    )
-
-
-def _describe(code: int) -> str:
-    backend = _BACKENDS[(code & 7) // 2] or "off"
-    return f"{backend} (may fall back to trtllm)" if code & 1 else backend
-
-
-def _bounded_channels(group: ProcessGroup) -> dict[str, ProcessGroup]:
-    """Per backend, a gloo group of `group`'s ranks whose collectives time out
-    at the bound, so a rank that fails leaves the others waiting there only.
-
-    Made at every group's agreement, whatever its outcome: torch names
-    groups by a per-process counter, so processes that made different
-    numbers of groups would hang in any later new_group.
-    """
-    channels = {}
-    for backend in BACKEND_KERNEL_LOADERS:
-        channel = dist.new_group(
-            list(_ranks(group)),
-            backend="gloo",
-            timeout=timedelta(seconds=FI_AR_CREATE_TIMEOUT_S),
-            use_local_synchronization=True,
-        )
-        assert isinstance(channel, ProcessGroup)
-        channels[backend] = channel
-    return channels
+def _describe(choice: tuple[str | None, bool]) -> str:
+    backend, fallback = choice
+    return f"{backend} (may fall back to trtllm)" if fallback else str(backend or "off")
 
 
 def _decide_every_dtype(
     inputs: FiArBackendInputs,
 ) -> dict[str | None, FiArBackendDecision]:
-    """A known issue may hit one dtype only; None is the dtype not yet known."""
+    """A known issue may hit one dtype only."""
     return {
         key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
         for key in _DTYPE_KEYS
@@ -180,50 +159,65 @@ def _agree(group: ProcessGroup) -> _Group:
             "on, the choice that cannot crash."
         )
     decisions = _decide_every_dtype(inputs)
-    code = _encode(decisions)
-    if inputs.node_count > 1 and "mnnvl" in {d.backend for d in decisions.values()}:
-        code |= 0 if nvlink_fabric() else _NO_FABRIC
-    channels = _bounded_channels(group)
-    codes = gather_codes(group, code)
+    choice = tuple((d.backend, d.allow_trtllm_fallback) for d in decisions.values())
+    probe = inputs.node_count > 1 and "mnnvl" in {d.backend for d in decisions.values()}
+    views = _gather(group, (choice, nvlink_fabric() if probe else True))
     ranks = _ranks(group)
-    differ = [
-        i for i in range(len(_DTYPE_KEYS)) if len({c >> 3 * i & 7 for c in codes}) > 1
-    ]
-    if differ:
-        first = differ[0]
-        views = ", ".join(
-            f"rank {rank}: {_describe(c >> 3 * first)}"
-            for rank, c in zip(ranks, codes, strict=True)
-        )
+    if len({view for view, _ in views}) > 1:
+        i = next(i for i in range(len(choice)) if len({v[i] for v, _ in views}) > 1)
         logger.error_once(
             "FlashInfer all-reduce is off for ranks %s: they chose different "
             "backends%s (%s). Make these the same on every node: %s, the "
             "HiSparse config, the GPU and the FlashInfer packages.",
             ranks,
-            f" for {_DTYPE_KEYS[first]} workspaces" if first else "",
-            views,
+            f" for {_DTYPE_KEYS[i]} workspaces" if i else "",
+            ", ".join(
+                f"rank {rank}: {_describe(view[i])}"
+                for rank, (view, _) in zip(ranks, views, strict=True)
+            ),
             FI_AR_BACKEND_ENV,
         )
         off = FiArBackendDecision(None, False, "the ranks disagree")
-        return _Group(dict.fromkeys(_DTYPE_KEYS, off), channels)
-    if no_fabric := [r for r, c in zip(ranks, codes, strict=True) if c & _NO_FABRIC]:
-        decisions = _decide_every_dtype(dataclasses.replace(inputs, fabric=False))
-        decisions[None] = dataclasses.replace(
-            decisions[None],
-            reason=f"{decisions[None].reason}; FlashInfer's is_mnnvl_fabric_supported "
-            f"is false on {_some(no_fabric)}",
+        return _Group(dict.fromkeys(_DTYPE_KEYS, off))
+    if no_fabric := [
+        r for r, (_, fabric) in zip(ranks, views, strict=True) if not fabric
+    ]:
+        probed = (
+            f"FlashInfer's is_mnnvl_fabric_supported is false on {_some(no_fabric)}"
         )
-    _log_decision(f"ranks {ranks}", decisions[None])
-    return _Group(decisions, channels)
+        decisions = {
+            key: dataclasses.replace(d, reason=f"{d.reason}; {probed}")
+            for key, d in _decide_every_dtype(
+                dataclasses.replace(inputs, fabric=False)
+            ).items()
+        }
+    _log_decisions(ranks, decisions)
+    return _Group(decisions)
 
 
-def _log_decision(who: str, decision: FiArBackendDecision) -> None:
-    """The start-up line; a warning where a setting runs into a known issue."""
-    issue = decision.known_issue
-    warn = issue is not None and issue.backend == decision.backend
+def _log_decisions(
+    ranks: tuple[int, ...], decisions: dict[str | None, FiArBackendDecision]
+) -> None:
+    """The start-up line: the backend and why; where workspace dtypes differ
+    (in backend, or in a setting that runs into a known issue), each with
+    its dtypes. A warning where a setting runs into a known issue."""
+
+    def warns(d: FiArBackendDecision) -> bool:
+        return d.known_issue is not None and d.known_issue.backend == d.backend
+
+    by_outcome: dict[tuple, list[str]] = {}
+    for key, d in decisions.items():
+        if key is not None:
+            outcome = (d.backend, d.allow_trtllm_fallback, warns(d))
+            by_outcome.setdefault(outcome, []).append(key)
+    shown = {"": decisions[None]}
+    if len(by_outcome) > 1:
+        shown = {f" for {', '.join(k)}": decisions[k[0]] for k in by_outcome.values()}
+    warn = any(map(warns, shown.values()))
     (logger.warning_once if warn else logger.info_once)(
-        "FlashInfer all-reduce backend for %s: %s (%s)%s",
-        *(who, decision.backend or "off", decision.reason),
+        "FlashInfer all-reduce backend for ranks %s: %s%s",
+        ranks,
+        "; ".join(f"{d.backend or 'off'}{k} ({d.reason})" for k, d in shown.items()),
         f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." if warn else "",
     )
 
@@ -235,12 +229,9 @@ def resolve_fi_ar_backend(
     a workspace of `dtype` (None: not yet known). Agreed once per group."""
     if group not in _groups:
         _groups[group] = _agree(group)
-    state = _groups[group]
+    decisions = _groups[group].decisions
     key = None if dtype is None else str(dtype).removeprefix("torch.")
-    decision = state.decisions.get(key, state.decisions[None])
-    # Only a dtype's own known issue makes its decision differ from the group's.
-    if decision.known_issue is not state.decisions[None].known_issue:
-        _log_decision(f"ranks {_ranks(group)}, {key}", decision)
+    decision = decisions.get(key, decisions[None])
     return decision.backend, decision.allow_trtllm_fallback
 
 
@@ -255,34 +246,72 @@ def _load_kernels(backend: str) -> str | None:
 
 
 class _CreationCommBackend:
-    """FlashInfer's CommBackend for one creation: its collectives run on the
-    bounded channel and are counted; after `done` (FlashInfer keeps it for
-    `checkpoint_prepare`'s barrier) everything runs on vLLM's group."""
+    """FlashInfer's CommBackend for one creation. Until `done`, collectives
+    run over the group's store, each wait ending at the creation's deadline;
+    after it, on vLLM's group (FlashInfer keeps the backend for
+    `checkpoint_prepare`'s barrier). The allreduce fusion workspaces of
+    flashinfer-python 0.7.2.post1 and 0.7.4 call no other method."""
 
-    def __init__(self, backend_type: type, channel: ProcessGroup, group: ProcessGroup):
-        self._current = self._bounded = backend_type(group=channel)
+    def __init__(self, group: ProcessGroup, key: str, backend_type: type):
+        self._store = dist.PrefixStore(key, group.get_group_store())
+        self._rank = dist.get_rank(group)
+        self._size = dist.get_world_size(group)
+        self._deadline = time.monotonic() + FI_AR_CREATE_TIMEOUT_S
         self._after = backend_type(group=group)
+        self._bounded = True
+        self._written: list[str] = []
         self.steps = 0
-        self.waited = False
+        self.missing: list[int] = []
+        """The group ranks this rank stopped waiting for, at step `steps`."""
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self._current, name)
-        if self._current is not self._bounded or name not in _COLLECTIVES:
-            return method
+    def Get_rank(self) -> int:
+        return self._rank
 
-        def collective(*args: Any, **kwargs: Any) -> Any:
-            try:
-                result = method(*args, **kwargs)
-            except Exception:
-                self.waited = True
-                raise
-            self.steps += 1
-            return result
+    def Get_size(self) -> int:
+        return self._size
 
-        return collective
+    def allgather(self, data: Any) -> tuple[Any, ...]:
+        if not self._bounded:
+            return self._after.allgather(data)
+        return tuple(self._exchange(data, range(self._size)))
+
+    def bcast(self, data: Any, root: int) -> Any:
+        if not self._bounded:
+            return self._after.bcast(data, root)
+        return self._exchange(data, [root])[0]
+
+    def barrier(self) -> None:
+        if not self._bounded:
+            return self._after.barrier()
+        self._exchange(None, range(self._size))
+
+    def _exchange(self, data: Any, senders: Iterable[int]) -> list[Any]:
+        keys = {rank: f"{self.steps}/{rank}" for rank in senders}
+        if self._rank in keys:
+            value = pickle.dumps(data)
+            self._store.set(keys[self._rank], value)  # type: ignore[arg-type]
+            self._written.append(keys[self._rank])
+        left = self._deadline - time.monotonic()
+        try:
+            self._store.wait(list(keys.values()), timedelta(seconds=max(left, 1e-3)))
+        except dist.DistStoreError:
+            self.missing = [
+                r for r, key in keys.items() if not self._store.check([key])
+            ]
+            raise TimeoutError(
+                f"FlashInfer's collective waited {FI_AR_CREATE_TIMEOUT_S} s for "
+                f"group {_some(self.missing)}"
+            ) from None
+        self.steps += 1
+        return [pickle.loads(self._store.get(key)) for key in keys.values()]
 
     def done(self) -> None:
-        self._current = self._after
+        self._bounded = False
+
+    def remove_keys(self) -> None:
+        """Once every rank has voted, no rank reads this creation's keys."""
+        for key in self._written:
+            self._store.delete_key(key)
 
 
 def create_on_every_rank(
@@ -295,11 +324,19 @@ def create_on_every_rank(
     """Run `create(comm_backend)`, this rank's part (None on failure), so that
     every rank of `group` keeps the workspace or none does, within
     FI_AR_CREATE_TIMEOUT_S once the kernels are loaded; `release` destroys
-    it where another rank failed. A failed backend is not tried again."""
+    it where another rank failed. A failed backend is not tried again, and
+    an exception from `create` is raised once every rank has voted."""
     state = _groups[group]
     if backend in state.failed:
         return None
-    workspace, failure = _create_and_vote(group, backend, create, backend_type)
+    ranks = _ranks(group)
+    workspace = raised = None
+    if errors := _failed(ranks, _gather(group, _load_kernels(backend))):
+        failure: str | None = f"could not load kernels on {errors}"
+    else:
+        state.creations += 1
+        key = f"vllm-fi-ar/{backend}/{state.creations}/"
+        workspace, raised, failure = _create_and_vote(group, key, create, backend_type)
     if failure is None:
         return workspace
     if workspace is not None:
@@ -307,34 +344,55 @@ def create_on_every_rank(
     state.failed.add(backend)
     logger.warning_once(
         "FlashInfer %s all-reduce workspace for ranks %s: %s; every rank gave it up.",
-        *(backend, _ranks(group), failure),
+        *(backend, ranks, failure),
     )
+    if raised is not None:
+        raise raised
     return None
 
 
 def _create_and_vote(
-    group: ProcessGroup, backend: str, create: Callable[[Any], Any], backend_type: type
-) -> tuple[Any | None, str | None]:
-    """This rank's workspace, and why the group gives it up, if it does."""
+    group: ProcessGroup, key: str, create: Callable[[Any], Any], backend_type: type
+) -> tuple[Any | None, Exception | None, str | None]:
+    """This rank's workspace, its exception, and why the group gives the
+    workspace up, if it does: every rank's outcome goes to one vote."""
     ranks = _ranks(group)
-    error = _load_kernels(backend)
-    loaded = gather_codes(group, int(error is not None))
-    if any(loaded):
-        where = _some([r for r, c in zip(ranks, loaded, strict=True) if c])
-        return None, f"{where} could not load its kernels ({error or 'see there'})"
-    channel = _groups[group].channels[backend]
-    comm_backend = _CreationCommBackend(backend_type, channel, group)
+    comm_backend = _CreationCommBackend(group, key, backend_type)
+    _creation_warnings.clear()
+    workspace = raised = None
     try:
         workspace = create(comm_backend)
+    except Exception as e:
+        # Upstream's own errors; not a collective this rank gave up on.
+        raised = None if comm_backend.missing else e
+        creation_warning("%s: %s", type(e).__name__, e)
     finally:
         comm_backend.done()
-    status = _OK if workspace is not None else _FAILED
-    status = _WAITED if comm_backend.waited else status
-    codes = gather_codes(group, status | comm_backend.steps << 2)
-    if not any(code & 3 for code in codes):
-        return workspace, None
-    if failed := [r for r, c in zip(ranks, codes, strict=True) if c & 3 == _FAILED]:
-        return workspace, f"failed on {_some(failed)} (see the log there)"
-    steps = [code >> 2 for code in codes]
-    late = [r for r, step in zip(ranks, steps, strict=True) if step == min(steps)]
-    return workspace, f"{_some(late)} did not answer within {FI_AR_CREATE_TIMEOUT_S} s"
+    waited = bool(comm_backend.missing)
+    error = " ".join(_creation_warnings) or "no workspace"
+    votes = _gather(
+        group,
+        (
+            None if waited or workspace is not None else error,
+            comm_backend.steps if waited else None,
+            [ranks[r] for r in comm_backend.missing],
+        ),
+    )
+    comm_backend.remove_keys()
+    if failures := _failed(ranks, [error for error, _, _ in votes]):
+        return workspace, raised, f"failed on {failures}"
+    if waits := [(step, missing) for _, step, missing in votes if step is not None]:
+        first = min(step for step, _ in waits)
+        late = {rank for step, missing in waits if step == first for rank in missing}
+        limit = f"did not answer within {FI_AR_CREATE_TIMEOUT_S} s"
+        return workspace, raised, f"{_some(late)} {limit}"
+    return workspace, raised, None
+
+
+def _failed(ranks: tuple[int, ...], errors: list[str | None]) -> str:
+    """The ranks with an error, each error once: 'rank 1 (error)'."""
+    by_error: dict[str, list[int]] = {}
+    for rank, error in zip(ranks, errors, strict=True):
+        if error is not None:
+            by_error.setdefault(error, []).append(rank)
+    return ", ".join(f"{_some(r)} ({error})" for error, r in by_error.items())

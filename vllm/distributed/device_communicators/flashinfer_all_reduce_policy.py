@@ -17,7 +17,6 @@ FI_AR_BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 FI_AR_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 # The dtypes FlashInferAllReduce.should_use_fi_ar accepts.
 FI_AR_DTYPES = ("float16", "bfloat16", "float32")
-EXPLAIN_COMMAND = "python -m vllm.explain_flashinfer_all_reduce"
 MNNVL_MODULE = "trtllm_mnnvl_comm"  # gen_trtllm_mnnvl_comm_module's name
 
 
@@ -220,9 +219,7 @@ def decide_fi_ar_backend(
 
 def _see(issue: FiArKnownIssue, package: str) -> str:
     fixed = f"fixed in {issue.fixed_in}" if issue.fixed_in else "unfixed"
-    return (
-        f"the kernels of {package} ({issue.name}, {fixed}; details: {EXPLAIN_COMMAND})"
-    )
+    return f"the kernels of {package} ({issue.name}, {fixed})"
 
 
 def _usable(
