@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 POLICY_MODULE = f"{MODULE}_policy"
 GROUP_MODULE = f"{MODULE}_group"
+CREATION_MODULE = f"{MODULE}_creation"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HIDDEN_DIM = 4096
 MAX_TOKENS = 128
@@ -511,10 +512,10 @@ class CollectiveCounter:
         for name in COLLECTIVES:
             patch.setattr(dist, name, self._counting(getattr(dist, name)))
         patch.setattr(dist, "new_group", self._making(dist.new_group))
-        if _has_module(GROUP_MODULE):
+        if _has_module(CREATION_MODULE):
             import importlib
 
-            comm = importlib.import_module(GROUP_MODULE)._CreationCommBackend
+            comm = importlib.import_module(CREATION_MODULE)._CreationCommBackend
             patch.setattr(comm, "_exchange", self._counting(comm._exchange))
         probe = parallel_state.in_the_same_node_as
         patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
@@ -666,10 +667,10 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         patch.setattr(
             fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
         )
-        if "bound" in case and _has_module(GROUP_MODULE):
+        if "bound" in case and _has_module(CREATION_MODULE):
             # Stock vLLM has no bound to set.
-            group_module = importlib.import_module(GROUP_MODULE)
-            patch.setattr(group_module, "FI_AR_CREATE_TIMEOUT_S", case["bound"])
+            creation = importlib.import_module(CREATION_MODULE)
+            patch.setattr(creation, "FI_AR_CREATE_TIMEOUT_S", case["bound"])
         if "tuned" in case:
             *row, size_mb = case["tuned"]
             patch.setitem(fi_ar.FI_MNNVL_ALLREDUCE_MAX_SIZE_MB, tuple(row), size_mb)

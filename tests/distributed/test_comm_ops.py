@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import tree_imports
 from fi_ar_utils import (
+    CREATION_MODULE,
     ENV,
-    GROUP_MODULE,
     build_config,
     every_rank,
     namespaces_unavailable,
@@ -357,7 +357,7 @@ def test_workspace_failure_on_one_of_two_ranks_is_released_on_the_other(one_node
 def test_docs_give_the_creation_bound_and_its_line(fi_ar):
     """README and the troubleshooting give the bound the code has, and the
     line every rank logs when a creation fails."""
-    creation = importlib.import_module(GROUP_MODULE)
+    creation = importlib.import_module(CREATION_MODULE)
     bound = f"{creation.FI_AR_CREATE_TIMEOUT_S} s"
     readme = (tree_imports.REPO_ROOT / "README.md").read_text()
     docs = (
@@ -368,4 +368,4 @@ def test_docs_give_the_creation_bound_and_its_line(fi_ar):
         assert "still leaves the others" not in text
         assert bound in text
         assert "every rank gave it up" in text
-    assert "FI_AR_CREATE_TIMEOUT_S" in inspect.getdoc(creation.create_on_every_rank)
+    assert "FI_AR_CREATE_TIMEOUT_S" in inspect.getdoc(creation.on_every_rank)

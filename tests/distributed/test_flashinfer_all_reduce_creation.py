@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from fi_ar_utils import GROUP_MODULE, every_rank, run_group, workspace_args
+from fi_ar_utils import CREATION_MODULE, every_rank, run_group, workspace_args
 
 # The bound in these tests, in seconds, and what a rank may take beyond it
 # (votes, the fallback creation, logging) on a loaded two-core machine.
@@ -267,25 +267,23 @@ def test_an_exception_inside_the_creation_goes_through_the_vote(two_ranks):
 
 def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
     """FlashInfer keeps the comm backend (checkpoint_prepare's barrier):
-    after the creation it runs on vLLM's group, not the bounded one."""
-    group_module = importlib.import_module(GROUP_MODULE)
-    kept: list[Any] = []
-
-    def create(comm_backend: Any) -> object:
-        kept.append(comm_backend)
-        comm_backend.barrier()
-        return object()
-
+    after the creation it runs on vLLM's group, not over the store."""
     from flashinfer.comm.mnnvl import TorchDistBackend
 
-    fi_ar._resolve_fi_ar_backend(cpu_group)
-    assert group_module.create_on_every_rank(
-        cpu_group, "trtllm", create, lambda _: None, TorchDistBackend
-    )
+    creation = importlib.import_module(CREATION_MODULE)
+    kept: list[Any] = []
+
+    @creation.on_every_rank(release=lambda _: None)
+    def create(backend: str, group: Any) -> object:
+        kept.append(creation.creation_comm_backend(TorchDistBackend(group=group)))
+        kept[0].barrier()
+        return object()
+
+    assert create("trtllm", cpu_group) is not None
     assert kept[0].steps == 1
     kept[0].barrier()
     assert kept[0].steps == 1, "after the creation, collectives run on vLLM's group"
-    assert kept[0]._after._group is cpu_group
+    assert kept[0].after._group is cpu_group
     assert dist.get_world_size(cpu_group) == 1
 
 
@@ -294,7 +292,8 @@ def test_upstreams_own_errors_propagate(fi_ar, fake_ws, cpu_group, monkeypatch):
     RuntimeError, not a failed creation."""
     other = dist.new_group(ranks=[0], backend="gloo")
     ws = fi_ar.get_fi_ar_workspace(**workspace_args(other, world_size=1))
-    monkeypatch.setattr(fi_ar, "_fi_ar_workspace", None)
+    # The fixture destroys what is left; monkeypatch would restore `ws` after.
+    fi_ar._fi_ar_workspace = None
     monkeypatch.setattr(
         fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", lambda **_: ws
     )

@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Description: keep HiSparse and fp16 off FlashInfer's mnnvl while its kernels
-#  lack the 0.7.4 fixes (trtllm on one node, off across nodes); the ranks of a
-#  group agree on the backend, and each workspace creation is bounded and
-#  voted, so no rank hangs. Logic: flashinfer_all_reduce_{policy,group}.py.
+# Description: keep HiSparse and fp16 off FlashInfer's mnnvl until its kernels
+#  have the 0.7.4 fixes; the ranks agree on the backend, and each workspace
+#  creation is bounded and voted (flashinfer_all_reduce_*.py beside this one).
 # Bug: https://github.com/vllm-project/vllm/issues/64327
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
 # Origin: vendor
@@ -29,9 +28,12 @@ from vllm.config.compilation import PassConfig
 from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
 )
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
-    create_on_every_rank,
+from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
+    creation_comm_backend,
     creation_warning,
+    on_every_rank,
+)
+from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     group_node_count,
     resolve_fi_ar_backend,
 )
@@ -87,7 +89,13 @@ def _get_tuned_standalone_max_size(
     return None if max_size_mb is None else int(max_size_mb * MiB)
 
 
-def _create_workspace_on_rank(
+def _release_workspace(workspace: Any) -> None:
+    del _fi_ar_workspace_groups[id(workspace)]
+    workspace.destroy()
+
+
+@on_every_rank(release=_release_workspace)
+def _create_workspace(
     backend: str,
     world_size: int,
     rank: int,
@@ -95,9 +103,9 @@ def _create_workspace_on_rank(
     hidden_dim: int,
     dtype: torch.dtype,
     group: ProcessGroup,
-    comm_backend: Any,
 ):
-    """This rank's part of a creation, returning None on failure."""
+    """Create a flashinfer allreduce workspace, returning None on failure."""
+    comm_backend = creation_comm_backend(TorchDistBackend(group=group))
     rng_state = random.getstate()
     try:
         random.seed(int.from_bytes(os.urandom(16), byteorder="big"))
@@ -157,31 +165,6 @@ def _create_workspace_on_rank(
     return workspace
 
 
-def _create_workspace(
-    backend: str,
-    world_size: int,
-    rank: int,
-    max_token_num: int,
-    hidden_dim: int,
-    dtype: torch.dtype,
-    group: ProcessGroup,
-):
-    """Create a flashinfer allreduce workspace on every rank or none (None)."""
-    args = (backend, world_size, rank, max_token_num, hidden_dim, dtype, group)
-    return create_on_every_rank(
-        group,
-        backend,
-        lambda comm_backend: _create_workspace_on_rank(*args, comm_backend),
-        _release_workspace,
-        TorchDistBackend,
-    )
-
-
-def _release_workspace(workspace: Any) -> None:
-    del _fi_ar_workspace_groups[id(workspace)]
-    workspace.destroy()
-
-
 def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
     """Resolve the flashinfer allreduce backend for the current setup.
 
@@ -190,7 +173,6 @@ def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
         when automatic selection has no supported backend for the process
         group.
 
-    Agreed by every rank of the group, once; see flashinfer_all_reduce_group.
     """
     return resolve_fi_ar_backend(group)
 

@@ -7,7 +7,7 @@ of `FiArBackendInputs`, for start-up and explain alike. The FlashInfer bugs
 `auto` steers around are data; each retires once the kernels carry its fix."""
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -17,7 +17,6 @@ FI_AR_BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 FI_AR_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 # The dtypes FlashInferAllReduce.should_use_fi_ar accepts.
 FI_AR_DTYPES = ("float16", "bfloat16", "float32")
-MNNVL_MODULE = "trtllm_mnnvl_comm"  # gen_trtllm_mnnvl_comm_module's name
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,6 @@ class FiArBackendInputs:
     """Everything the backend choice depends on."""
 
     setting: str
-    """VLLM_FLASHINFER_ALLREDUCE_BACKEND: auto, trtllm or mnnvl."""
     node_count: int
     device_capability: int | None
     """`<major><minor>`, such as 100; None without a GPU."""
@@ -35,9 +33,8 @@ class FiArBackendInputs:
     """(package, release) of each FlashInfer package whose kernels may run."""
     dtype: str | None = None
     """The dtype the workspace is created for; None until one is."""
-    multicast: bool | None = None
-    fabric: bool | None = None
-    """Whether every rank has an NVLink fabric; None until probed."""
+    no_fabric: tuple[int, ...] = ()
+    """The ranks where FlashInfer's is_mnnvl_fabric_supported is false."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +43,6 @@ class FiArKnownIssue:
 
     name: str
     backend: str
-    module: str
-    """The FlashInfer kernel module that holds the bug."""
     trigger: str
     applies: Callable[[FiArBackendInputs], bool]
     effect: str
@@ -63,7 +58,6 @@ FI_AR_KNOWN_ISSUES = (
     FiArKnownIssue(
         name="flashinfer#7782",
         backend="mnnvl",
-        module=MNNVL_MODULE,
         trigger="HiSparse is on",
         applies=lambda inputs: inputs.hisparse is not False,
         effect="crashes with HiSparse (CUDA error: unspecified launch failure)",
@@ -79,7 +73,6 @@ FI_AR_KNOWN_ISSUES = (
     FiArKnownIssue(
         name="mnnvl fp16 RMSNorm overflow",
         backend="mnnvl",
-        module=MNNVL_MODULE,
         trigger="the workspace is float16",
         applies=lambda inputs: inputs.dtype == "float16",
         effect=(
@@ -145,8 +138,6 @@ def kernel_release(inputs: FiArBackendInputs) -> tuple[Version | None, str]:
 def _auto_candidates(inputs: FiArBackendInputs) -> tuple[list[str], str]:
     """vLLM 0.33.0's `auto`: the backends it would try, best first, and why."""
     if inputs.node_count == 1:
-        if inputs.multicast is False:
-            return ["trtllm"], "auto, single node without NVSwitch multicast"
         return ["mnnvl", "trtllm"], (
             "auto, single node (trtllm if NVSwitch multicast is unavailable)"
         )
@@ -168,11 +159,6 @@ def decide_fi_ar_backend(
     """The backend for `inputs`: explicit settings are obeyed; `auto` takes
     the first of vLLM 0.33.0's candidates that no unfixed known issue
     breaks, and is off when none is left."""
-    if inputs.setting not in FI_AR_BACKEND_CHOICES:
-        raise ValueError(
-            f"Invalid value {inputs.setting!r} for {FI_AR_BACKEND_ENV}. "
-            f"Valid options: {list(FI_AR_BACKEND_CHOICES)}."
-        )
     release, package = kernel_release(inputs)
 
     def unfixed(backend: str) -> FiArKnownIssue | None:
@@ -197,12 +183,9 @@ def decide_fi_ar_backend(
         return _usable(inputs, FiArBackendDecision(setting, False, reason, issue))
     candidates, reason = _auto_candidates(inputs)
     safe = [backend for backend in candidates if unfixed(backend) is None]
-    skipped = [unfixed(backend) for backend in candidates if backend not in safe]
     backend = safe[0] if safe else None
     allow_fallback = backend == "mnnvl" and "trtllm" in safe
-    if candidates and candidates[0] != backend:
-        issue = skipped[0]
-        assert issue is not None
+    if candidates and (issue := unfixed(candidates[0])) is not None:
         if backend is not None:
             action = f"using {backend} on a single node"
         elif inputs.node_count > 1:
@@ -225,20 +208,20 @@ def _see(issue: FiArKnownIssue, package: str) -> str:
 def _usable(
     inputs: FiArBackendInputs, decision: FiArBackendDecision
 ) -> FiArBackendDecision:
-    """Off where mnnvl cannot work: without multicast, or across nodes
-    without an NVLink fabric on every rank (vllm#51986)."""
-    if decision.backend != "mnnvl":
-        return decision
-    if inputs.multicast is False:
-        lacking = "NVSwitch multicast, which this node lacks"
-    elif inputs.node_count > 1 and inputs.fabric is False:
-        lacking = "an NVLink fabric across nodes, which not every rank has"
-    else:
+    """Off where mnnvl cannot work: across nodes without an NVLink fabric
+    on every rank (vllm#51986)."""
+    if decision.backend != "mnnvl" or inputs.node_count == 1 or not inputs.no_fabric:
         return decision
     return FiArBackendDecision(
         None,
         False,
-        f"{decision.reason}; but mnnvl needs {lacking}, so FlashInfer "
-        "all-reduce is off",
+        f"{decision.reason}; but mnnvl needs an NVLink fabric across nodes, and "
+        f"FlashInfer's is_mnnvl_fabric_supported is false on "
+        f"{some_ranks(inputs.no_fabric)}, so FlashInfer all-reduce is off",
         decision.known_issue,
     )
+
+
+def some_ranks(ranks: Iterable[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
