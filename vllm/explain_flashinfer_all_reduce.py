@@ -2,29 +2,31 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
 #  goes away with it.
-"""Which FlashInfer all-reduce backend vLLM would use, and why: start-up's
-own `decide_fi_ar_backend`. Nothing of torch or vLLM loads here before the
-flags parse."""
+"""Which FlashInfer all-reduce backend a deployment gets, and why: start-up's
+own decision, answered without a GPU. Exit 1 where start-up fails, 2 on a
+usage error."""
 
 import argparse
-import contextlib
-import dataclasses
-import json
-import os
+import ast
+import importlib.util
 import re
 import sys
-from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from packaging.version import Version
 
-POLICY = "vllm.distributed.device_communicators.flashinfer_all_reduce_policy"
-GROUP = "vllm.distributed.device_communicators.flashinfer_all_reduce_group"
-ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
-# The policy's FI_AR_BACKEND_CHOICES and FI_AR_DTYPES (a test holds them
-# equal): importing the policy from here would load torch before parsing.
-BACKENDS = ("auto", "trtllm", "mnnvl")
-DTYPES = ("float16", "bfloat16", "float32")
+import vllm.envs as envs
+from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
+    FI_AR_BACKEND_CHOICES,
+    FI_AR_DTYPES,
+    FiArBackendInputs,
+    decide_fi_ar_backend,
+    installed_kernels,
+)
+
+RUNTIME = "vllm.distributed.device_communicators.flashinfer_all_reduce"
+FUSION = "vllm.compilation.passes.fusion.allreduce_rms_fusion"
 SIZE_TABLE = "FI_ALLREDUCE_FUSION_MAX_SIZE_MB"
 
 
@@ -38,177 +40,107 @@ class Parser(argparse.ArgumentParser):
 
 
 def _capability(text: str) -> int:
-    """10.0, sm100 or 100 as vLLM's `<major><minor>` integer."""
-    match = re.fullmatch(r"(\d+)\.(\d)|(?:sm_?)?(\d+)", text.strip().lower())
-    if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not like 10.0, sm100 or 100")
-    major, minor, whole = match.groups()
-    return int(whole) if whole else int(major) * 10 + int(minor)
-
-
-EPILOG = f"""\
-explain assumes what start-up finds out: that the GPUs have NVSwitch
-multicast and an NVLink fabric (unless --no-multicast, --no-fabric), and that
-vLLM's {SIZE_TABLE} has the TP size (reading it needs CUDA ops).
-Exit 1 where start-up fails, 2 on a usage error."""
+    """As vLLM prints it (10.0) or its integer (100). An integer below 70
+    (SM 7.0) is taken for a major without its minor, such as 10: refused."""
+    if match := re.fullmatch(r"(\d+)\.(\d)", text):
+        return int(match[1] + match[2])
+    if text.isdigit() and int(text) >= 70:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r}: give it as 10.0 or as 100")
 
 
 def _parser() -> Parser:
-    p = Parser(
-        prog="python -m vllm.explain_flashinfer_all_reduce",
-        description="vLLM's FlashInfer all-reduce backend for a deployment.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
+    p = Parser(prog="python -m vllm.explain_flashinfer_all_reduce", allow_abbrev=False)
     add = p.add_argument
+    add("-tp", "--tensor-parallel-size", type=int, required=True, metavar="N")
     add("--nnodes", type=int, default=1, metavar="N", help="nodes the TP group spans")
-    add("-tp", "--tensor-parallel-size", type=int, metavar="N", help="TP size")
-    add("--capability", type=_capability, metavar="CC", help="10.0, sm100 or 100")
-    add("--backend", choices=BACKENDS, help=f"default: {ENV}, else auto")
-    add("--hisparse", action="store_true", help="HiSparse is on")
-    add("--kv-transfer-config", metavar="JSON", help="as given to vllm serve")
+    add("--capability", type=_capability, required=True, metavar="CC", help="10.0")
+    add("--backend", choices=FI_AR_BACKEND_CHOICES, help="overrides the env")
+    add("--hisparse", action="store_true", help="a HiSparseConnector is configured")
     add("--flashinfer-version", type=Version, metavar="V", help="default: installed")
-    add("--dtype", choices=DTYPES, default="bfloat16", help="of the workspace")
-    add("--no-multicast", action="store_true", help="no NVSwitch multicast")
-    add("--fabric", action=argparse.BooleanOptionalAction, help="NVLink fabric")
-    add("--json", action="store_true", help="print one JSON document")
+    add("--dtype", choices=FI_AR_DTYPES, default="bfloat16", help="of the workspace")
     return p
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """The flags, checked before anything of torch or vLLM loads."""
-    args = _parser().parse_args(argv)
-    args.backend = args.backend or os.environ.get(ENV) or "auto"
-    if args.backend not in BACKENDS:
-        raise UsageError(f"{ENV}={args.backend!r}: expected one of {BACKENDS}")
-    if args.nnodes < 1:
-        raise UsageError("--nnodes must be at least 1")
-    return args
+def _source(module: str) -> ast.Module:
+    """vLLM's installed source of `module`, read where running it needs GPUs."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return ast.parse(Path(spec.origin).read_text())
 
 
-def _kv_hisparse(text: str) -> bool:
-    """Parsed by vLLM's own option parser; each connector is looked up in
-    vLLM's factory, as start-up does; HiSparse as VllmConfig decides it."""
-    from dataclasses import dataclass
+def _fusion_max_size(capability: int, tp: int) -> float | None:
+    """vLLM's FI_ALLREDUCE_FUSION_MAX_SIZE_MB entry, without which
+    FlashInferAllReduce and the fusion pass leave FlashInfer off."""
+    for node in ast.walk(_source(FUSION)):
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == SIZE_TABLE:
+            assert node.value is not None
+            return ast.literal_eval(node.value).get(capability, {}).get(tp)
+    raise LookupError(f"no {SIZE_TABLE} in {FUSION}")
 
-    from vllm.config.kv_transfer import KVTransferConfig, hisparse_host_pool_gib
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.engine.arg_utils import get_kwargs
 
-    @dataclass
-    class Options:
-        kv_transfer_config: KVTransferConfig | None = None
+def _startup_error() -> str:
+    """What get_fi_ar_workspace raises for trtllm across nodes, its words."""
+    fn = next(
+        node
+        for node in ast.walk(_source(RUNTIME))
+        if isinstance(node, ast.FunctionDef) and node.name == "get_fi_ar_workspace"
+    )
+    error = next(node.exc for node in ast.walk(fn) if isinstance(node, ast.Raise))
+    assert isinstance(error, ast.Call)
+    return f"{ast.unparse(error.func)}: {ast.literal_eval(error.args[0])}"
 
+
+def _answer(args: argparse.Namespace) -> tuple[list[str], int]:
+    """The answer's lines, and the exit status."""
     try:
-        config = get_kwargs(Options)["kv_transfer_config"]["type"](text)
-        children = config.kv_connector_extra_config.get("connectors", [])
-        if config.kv_connector == "MultiConnector":
-            for child in children:
-                KVConnectorFactory.get_connector_class(KVTransferConfig(**child))
-        else:
-            KVConnectorFactory.get_connector_class(config)
-        hisparse_host_pool_gib(config)
-    except (ValueError, TypeError, AttributeError, argparse.ArgumentTypeError) as e:
-        message = " ".join(str(e).split())
-        raise UsageError(f"invalid --kv-transfer-config: {message}") from None
-    return config.has_connector("HiSparseConnector")
-
-
-def _answer(args: argparse.Namespace) -> dict[str, Any]:
-    """Start-up's decision for the flags, with what explain had to assume."""
-    import importlib
-
-    policy = importlib.import_module(POLICY)
-    hisparse = args.hisparse
-    if args.kv_transfer_config is not None:
-        hisparse = _kv_hisparse(args.kv_transfer_config) or hisparse
-    capability = args.capability
-    if capability is None:
-        capability = importlib.import_module(GROUP).device_capability()
-    kernels = policy.installed_kernels()
+        setting = args.backend or envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND
+    except ValueError as e:
+        return [f"FlashInfer all-reduce: start-up fails: ValueError: {e}"], 1
+    kernels = installed_kernels()
     if args.flashinfer_version is not None:
         kernels = (("flashinfer-python", str(args.flashinfer_version)),)
-    inputs = policy.FiArBackendInputs(
-        setting=args.backend,
+    inputs = FiArBackendInputs(
+        setting=setting,
         node_count=args.nnodes,
-        device_capability=capability,
-        hisparse=hisparse,
+        device_capability=args.capability,
+        hisparse=args.hisparse,
         kernels=kernels,
         dtype=args.dtype,
-        multicast=False if args.no_multicast else None,
-        fabric=args.fabric,
     )
-    decision = policy.decide_fi_ar_backend(inputs)
-    backend, reason, state = decision.backend, decision.reason, "on"
+    decision = decide_fi_ar_backend(inputs)
+    backend, why, issue = decision.backend, decision.reason, decision.known_issue
     tp = args.tensor_parallel_size
-    if backend is None:
-        state = "off"
-    elif backend == "trtllm" and args.nnodes > 1:
-        state = "start-up fails"
-        reason += "; get_fi_ar_workspace raises ValueError: trtllm is single-node"
-    issue = decision.known_issue
-    assumed = [f"{SIZE_TABLE} has TP {tp or '(not given)'} for this GPU"]
+    if not _fusion_max_size(args.capability, tp):
+        backend, why, issue = None, f"vLLM's {SIZE_TABLE} has no TP {tp} here", None
+    fails = backend == "trtllm" and args.nnodes > 1
+    lines = [f"FlashInfer all-reduce backend: {backend or 'off'}", f"  why: {why}"]
+    if fails:
+        lines.append(f"  start-up fails: {_startup_error()}")
+    if issue is not None:
+        lines.append(f"  known issue: {issue.name}: {issue.backend} {issue.effect}")
+        lines += [f"  see: {link}" for link in issue.links]
+        fix = f"pip install -C flashinfer={issue.fixed_in} ." if issue.fixed_in else ""
+        lines.append(f"  fix: {fix or 'none released yet'}")
     if backend == "mnnvl":
-        fabric = " and an NVLink fabric" if args.nnodes > 1 and not args.fabric else ""
-        assumed.append(f"NVSwitch multicast{fabric}, which start-up checks")
-    return {
-        "backend": backend,
-        "state": state,
-        "reason": reason,
-        "known_issue": issue
-        and {k: v for k, v in vars(issue).items() if not callable(v)},
-        "assumed": assumed,
-        "inputs": {**dataclasses.asdict(inputs), "tensor_parallel_size": tp},
-    }
-
-
-def _text(answer: dict[str, Any]) -> str:
-    first = answer["backend"] or "off"
-    if answer["state"] == "start-up fails":
-        first += " (start-up fails)"
-    lines = [f"FlashInfer all-reduce backend: {first}", f"  why: {answer['reason']}"]
-    if (issue := answer["known_issue"]) is not None:
-        links = f" ({', '.join(issue['links'])})" if issue["links"] else ""
-        what = f"{issue['backend']} {issue['effect']}{links}"
-        lines.append(f"  known issue: {issue['name']}: {what}")
-        fixed = issue["fixed_in"]
-        fix = f"in this build's source tree: pip install -C flashinfer={fixed} ."
-        lines.append(
-            f"  fix: FlashInfer {fixed}; {fix}" if fixed else "  fix: none yet"
-        )
-    lines += [f"  assumed: {what}" for what in answer["assumed"]]
-    inputs = dict(answer["inputs"])
-    inputs["kernels"] = ", ".join(" ".join(k) for k in inputs["kernels"]) or None
-    shown = "; ".join(f"{k}={'unknown' if v is None else v}" for k, v in inputs.items())
-    return "\n".join([*lines, f"  inputs: {shown}"])
-
-
-@contextlib.contextmanager
-def _stdout_to_stderr() -> Iterator[None]:
-    """vLLM's logger writes to stdout: keep the answer alone there."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+        probes = "multicast" if args.nnodes == 1 else "multicast and an NVLink fabric"
+        lines.append(f"  assumed: NVSwitch {probes}, which start-up probes")
+    shown = {**vars(inputs), "kernels": ", ".join(map(" ".join, kernels)) or None}
+    lines.append("  inputs: " + "; ".join(f"{k}={v}" for k, v in shown.items()))
+    return lines, int(fails)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """0 with an answer, 1 where start-up fails, 2 on a usage error."""
     try:
-        args = _parse(argv)
-        with _stdout_to_stderr():
-            answer = _answer(args)
+        args = _parser().parse_args(argv)
+        if args.nnodes < 1 or args.tensor_parallel_size < 1:
+            raise UsageError("--nnodes and -tp must be at least 1")
+        lines, status = _answer(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(answer, indent=2) if args.json else _text(answer))
-    return 1 if answer["state"] == "start-up fails" else 0
+    print("\n".join(lines))
+    return status
 
 
 if __name__ == "__main__":
