@@ -311,9 +311,8 @@ def pyproject_text(
     wheels: list[Path],
     replaces: Mapping[str, str],
     adds: tuple[str, ...] = (),
-    tables: str = "",
 ) -> str:
-    """The repo's pin tables, trusting ``wheels``; ``tables`` go at the end."""
+    """The repo's pin tables, trusting ``wheels``."""
     version = wheels[0].name.split("-")[1]
     listed = ", ".join(f'"{path}"' for path in adds)
     return (
@@ -331,7 +330,6 @@ def pyproject_text(
         + "\n[tool.vllm-overlay.replaces]\n"
         "# Replaced files, pinned to their upstream originals.\n"
         + "".join(f'"{path}" = "{pin}"\n' for path, pin in replaces.items())
-        + tables
     )
 
 
@@ -341,12 +339,8 @@ def make_project(
     files: Mapping[str, str],
     adds: tuple[str, ...] = (),
     replaces: Mapping[str, str] | None = None,
-    tables: str = "",
 ) -> Path:
-    """A git checkout of the repo's layout: pins, the build tool, a tree.
-
-    ``tables`` are more TOML tables for pyproject.toml, e.g. env-choices.
-    """
+    """A git checkout of the repo's layout: pins, the build tool, a tree."""
     project = tmp_path / "project"
     copy_tools(project, wheels[0])
     for rel, text in files.items():
@@ -354,9 +348,7 @@ def make_project(
         (project / rel).write_text(text)
     if replaces is None:
         replaces = {PATCHED.as_posix(): sha(ORIGINAL)}
-    (project / "pyproject.toml").write_text(
-        pyproject_text(wheels, replaces, adds, tables)
-    )
+    (project / "pyproject.toml").write_text(pyproject_text(wheels, replaces, adds))
     commit(project, "the overlay")
     return project
 
