@@ -4,13 +4,12 @@
 
 import importlib
 import os
-import tomllib
 from importlib.metadata import version
 from pathlib import Path
 
 import tree_imports
 
-from tools.pins import CONFIG_TABLE, PYPROJECT, load_pins, read_variants
+from tools.pins import load_pins
 
 
 def test_replaced_modules_come_from_the_selected_source(overlay_modules):
@@ -31,10 +30,9 @@ def test_tree_is_the_default_source(overlay_modules):
 
 def test_installed_vllm_carries_the_local_label():
     """The default build, or one of the variants pyproject.toml offers."""
-    table = tomllib.loads(PYPROJECT.read_text())["tool"][CONFIG_TABLE]
     builds = {load_pins().version} | {
         load_pins(settings={setting: value}).version
-        for setting, values in read_variants(table, PYPROJECT).items()
+        for setting, values in load_pins().variants.items()
         for value in values
     }
     assert version("vllm") in builds

@@ -11,6 +11,7 @@ import ast
 import difflib
 import itertools
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -113,17 +114,30 @@ def test_replaced_file_carries_only_the_change(stock, relative):
 
 def test_every_file_is_declared_and_fits_the_base_wheel():
     # The build's own check, on the real pinned wheel: a file under vllm/
-    # missing from pyproject.toml, or a stale pin, fails here too.
+    # missing from pyproject.toml, a stale pin, or a tools/base_wheel_METADATA
+    # that is not the wheel's (pip is given it before the build) fails here.
     pins = load_pins()
-    overlay_root = tree_imports.REPO_ROOT / pins.name
-    originals = check.check_base_wheel(
-        pins,
-        overlay_root,
-        check.collect_overlay(overlay_root),
-        fetch.fetch_base_wheel(pins),
-        fetch.default_cache_dir(),
-    )
+    files = check.check_tree(pins, tree_imports.REPO_ROOT / "vllm")
+    originals = check.check_base_wheel(pins, files, fetch.fetch_base_wheel(pins))
     assert sorted(originals) == sorted(pins.replaces)
+    with zipfile.ZipFile(fetch.fetch_base_wheel(pins)) as zf:
+        assert check.wheel_metadata(zf) == pins.base_metadata
+
+
+def test_the_backend_choices_are_vllm_envs_own(monkeypatch):
+    """FI_AR_BACKEND_CHOICES repeats what vllm/envs.py accepts for
+    VLLM_FLASHINFER_ALLREDUCE_BACKEND; a release that changes it fails here."""
+    import vllm.envs as envs
+    from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
+        FI_AR_BACKEND_CHOICES,
+    )
+
+    name = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+    monkeypatch.setenv(name, "not-a-backend")
+    with pytest.raises(ValueError, match="Valid options: ") as excinfo:
+        envs.environment_variables[name]()
+    listed = ast.literal_eval(str(excinfo.value).split("Valid options: ")[1][:-1])
+    assert tuple(listed) == FI_AR_BACKEND_CHOICES
 
 
 def test_diff_applied_to_upstream_gives_back_our_files(tmp_path):

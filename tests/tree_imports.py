@@ -28,13 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
-from tools import (  # noqa: E402
-    check,
-    fetch,
-    finder,  # noqa: E402
-    pins,
-    util,
-)
+from tools import check, fetch, finder, pins, util  # noqa: E402
 
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
 SOURCES = ("tree", "stock")
@@ -114,7 +108,9 @@ def extract_base_files(files: Iterable[str], dest: Path, base_wheel: Path) -> Pa
             raise util.OverlayError(f"not in {base_wheel.name}: {', '.join(missing)}")
         for member in files:
             (dest / member).parent.mkdir(parents=True, exist_ok=True)
-            util.write_atomic(dest / member, zf.read(member))
+            partial = dest / f"{member}.{os.getpid()}"
+            partial.write_bytes(zf.read(member))
+            os.replace(partial, dest / member)
     return dest
 
 

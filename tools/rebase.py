@@ -2,223 +2,146 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """``rebase``: move the overlay onto a new upstream release, losing nothing.
 
-Each replaced file is three-way merged with ``git merge-file`` from the
-original it is pinned to (kept in the originals store, or read from the
-pinned base wheel) to the new release's original. A clean merge re-pins at
-once. On a conflict the files keep diff3 markers and the pins stay; after
-resolving them, ``--continue`` re-pins.
-
-``--continue`` keeps no state. It accepts a file only when it has no
-conflict line, compiles, and already holds every change upstream made that
-does not conflict with ours: merging upstream's change into it again, taking
-our side of each conflict, must give it back unchanged. So no sequence of
-commands can re-pin a file that lacks one of upstream's changes.
-
-Before it records a release (on a clean merge, and on ``--continue``) it
-reads the new wheels' sources with ``ast`` (``couplings``) and refuses a
-release that lacks a module, name, class attribute or keyword argument the
-tree's files (merged ones as merged) take from upstream, or whose
-``vllm/envs.py`` lists other choices than a tuple the tree declares in
-``[tool.vllm-overlay.env-choices]``: such a release merges cleanly and
-builds, then fails at import. One line per problem; nothing is written.
-
-When every wheel of the new release pins the package of
-``[tool.vllm-overlay.known-issues]`` at or above every known issue's
-``fixed_in``, it says in one line that the workaround can be dropped.
-
-A rebase starts only on a tree whose ``vllm/`` and ``pyproject.toml`` are
-committed, so that every piece of advice it prints keeps work recoverable.
+Each replaced file is three-way merged (``git merge-file``) from its pinned
+original to the new release's; a clean merge re-pins at once. On a conflict
+the files keep diff3 markers and the pins stay. ``--continue`` keeps no
+state: it re-pins only files with no conflict line that compile and already
+hold every upstream change that does not conflict with ours.
 """
 
+import difflib
 import re
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from packaging.version import InvalidVersion, Version
-
 from .check import (
-    collect_overlay,
-    known_issues_retired,
-    read_release,
-    recall,
-    remember,
-    tree_problems,
-    unified_diff,
+    check_base_wheel,
+    check_tree,
+    refuse,
+    release_problems,
     wheel_metadata,
 )
-from .couplings import coupling_problems
 from .fetch import default_cache_dir, fetch_base_wheel, fetch_release
-from .pins import ADDS_KEY, CLI, CONFIG_TABLE, REPLACES_TABLE, Pins, load_pins
-from .util import OverlayError, sha256, sha256_of, write_atomic
-
-GIT_TIMEOUT_S = 120
+from .pins import BASE_METADATA, CLI, CONFIG_TABLE, DIST_NAME, Pins, load_pins
+from .util import OverlayError, sha256, sha256_of
 
 
 def rebase(
     root: Path, version: str, *, resolved: bool = False, cache_dir: Path | None = None
 ) -> int:
-    """Move the overlay at ``root`` onto ``version``: 0 when done, 1 on conflicts.
-
-    Everything that can refuse runs before any file is written.
-    """
+    """Move the overlay at ``root`` onto ``version``: 0 when done, 1 on
+    conflicts. Everything that can refuse runs before any file is written."""
     try:
-        import tomlkit  # noqa: F401  (checked before fetching anything)
+        import tomlkit
     except ImportError:
-        raise OverlayError(
-            "rebase edits pyproject.toml with tomlkit, which keeps its comments.\n"
-            "Fix: pip install tomlkit"
-        ) from None
-    try:
-        Version(version)
-    except InvalidVersion:
-        raise OverlayError(f"--base-version {version!r} is not a version") from None
+        raise OverlayError("rebase needs tomlkit.\nFix: pip install tomlkit") from None
     pins = load_pins(root / "pyproject.toml")
+    again = f"{CLI} rebase --base-version {version}"
     cache_dir = cache_dir or default_cache_dir()
-    if not resolved:
-        _refuse_uncommitted(root, pins, version)
-    files = collect_overlay(root / pins.name)
-    problems = [
-        f"{rel}: not declared in pyproject.toml; declare it in {REPLACES_TABLE} "
-        f"or {ADDS_KEY} first"
-        for rel in files
-        if rel.as_posix() not in pins.declared
-    ]
-    problems += tree_problems(pins, root, files)
-    wheels = fetch_release(pins, version, cache_dir)
-    new_originals, release_problems = read_release(pins, wheels)
-    problems += release_problems
-    _refuse(problems, f"cannot rebase onto {pins.name}=={version}")
-    retired = _retired(pins, root, version, wheels.values())
-    old_originals = pinned_originals(pins, cache_dir)
-    remember(new_originals.values(), cache_dir)
-
-    merged: dict[str, bytes] = {}
-    if resolved:
-        missing = [
-            _missing_upstream(root / path, path, pins, version, old, new)
-            for path in sorted(pins.replaces)
-            if (old := old_originals[path]) != (new := new_originals[path])
-        ]
-        _refuse(
-            [m for m in missing if m],
-            f"cannot record the rebase onto {pins.name}=={version}",
+    # Start only where git can bring back every edit a rebase makes.
+    paths = ["--", DIST_NAME, "pyproject.toml", BASE_METADATA]
+    if not resolved and (status := _git(root, "status", "--porcelain", *paths)):
+        raise OverlayError(
+            f"uncommitted changes to files a rebase rewrites:\n{status}Fix: commit "
+            "or stash them (git stash push --include-untracked), then run it again"
+            f"; a resolved conflict is recorded with: {again} --continue"
         )
-    else:
-        conflicts = {}
-        for path in sorted(pins.replaces):
-            old, new = old_originals[path], new_originals[path]
-            if old != new:
-                ours = (root / path).read_bytes()
-                merged[path], conflicts[path] = merge_file(
-                    ours, old, new, _labels(ours, pins, version)
-                )
-        if any(conflicts.values()):
-            for path, data in merged.items():
-                write_atomic(root / path, data)
-            _report_conflicts(pins, version, {p: n for p, n in conflicts.items() if n})
-            _say(retired)
-            return 1
+    # The tree must fit the pinned release as a build needs, and the new one.
+    files = check_tree(pins, root / DIST_NAME)
+    old = check_base_wheel(pins, files, fetch_base_wheel(pins, cache_dir=cache_dir))
+    wheels = fetch_release(pins, version, cache_dir)
+    new, metadata, problems = read_release(pins, wheels)
+    refuse(problems, f"cannot rebase onto {DIST_NAME}=={version}; nothing was changed")
 
-    _refuse_missing_couplings(root, pins, version, merged, wheels.values(), resolved)
-    wheel_pins = {name: sha256_of(path) for name, path in wheels.items()}
-    file_pins = {path: sha256(data) for path, data in new_originals.items()}
-    text = _new_pyproject(root / "pyproject.toml", version, wheel_pins, file_pins)
+    merged, conflicts = {}, {}
+    for path in sorted(p for p in pins.replaces if old[p] != new[p]):
+        ours = (root / path).read_bytes()
+        labels = ["ours", pins.requirement, f"{DIST_NAME}=={version}"]
+        if not resolved:
+            merged[path], conflicts[path] = merge_file(
+                ours, old[path], new[path], labels
+            )
+            continue
+        # Upstream's changes merged in again, our side of each conflict kept.
+        taken, _ = merge_file(ours, old[path], new[path], labels, keep_ours=True)
+        if taken != ours:
+            problems.append(
+                f"{path} lacks upstream's change(s) that do not conflict with ours:\n"
+                + unified_diff(ours, taken, path, f"a/{path}", f"b/{path}")
+                + f"Fix: take them in, or commit the file and run {again}"
+            )
+    refuse(problems, "cannot record the rebase; nothing was changed")
+    if any(conflicts.values()):
+        for path, data in merged.items():
+            (root / path).write_bytes(data)
+        listed = "".join(
+            f"  {p} ({n} conflict(s))\n" for p, n in conflicts.items() if n
+        )
+        print(
+            f"CONFLICT: {DIST_NAME}=={version} changed lines that this patch "
+            f"changes too, in:\n{listed}The pins are unchanged, and a build "
+            "refuses conflict markers.\nNext: resolve them, then run "
+            f"{again} --continue (to start over: git stash push -- {DIST_NAME}/)",
+            file=sys.stderr,
+        )
+        return 1
+
+    doc = tomlkit.parse((root / "pyproject.toml").read_text())
+    table: Any = doc["tool"][CONFIG_TABLE]  # type: ignore[index]
+    table["base-version"] = version
+    table["sha256"].clear()
+    table["sha256"].update({name: sha256_of(path) for name, path in wheels.items()})
+    table["replaces"].update({path: sha256(data) for path, data in new.items()})
     for path in sorted(pins.declared):
         data = merged.get(path, (root / path).read_bytes())
-        updated = _with_base_line(data, pins, version)
-        if path in merged or updated != data:
-            write_atomic(root / path, updated)
-    write_atomic(root / "pyproject.toml", text.encode())
+        # Keep the DEP-3 header's "# Base: vllm==X" line true.
+        base_line = rb"\g<1>" + version.encode()
+        updated = re.sub(rb"^(# Base: vllm==)\S+", base_line, data, count=1, flags=re.M)
+        if updated != (root / path).read_bytes():
+            (root / path).write_bytes(updated)
+    (root / BASE_METADATA).write_bytes(metadata)
+    (root / "pyproject.toml").write_text(tomlkit.dumps(doc))
     print(
-        f"rebased onto {pins.name}=={version}: merged upstream's changes into "
-        f"{len(merged)} file(s){': ' if merged else ''}{', '.join(sorted(merged))}; "
-        "pinned the new wheels and originals in pyproject.toml.\n"
+        f"rebased onto {DIST_NAME}=={version}, merged: {', '.join(merged) or '-'}.\n"
         "Next: review with git diff, then pip install . && pytest tests",
         file=sys.stderr,
     )
-    _say(retired)
     return 0
 
 
-def _refuse(problems: list[str], what: str, fix: str = "") -> None:
-    if problems:
-        raise OverlayError(
-            f"{what}; nothing was changed:\n"
-            + "\n".join(f"- {p}" for p in problems)
-            + (f"\nFix: {fix}" if fix else "")
-        )
-
-
-def _refuse_missing_couplings(
-    root: Path,
-    pins: Pins,
-    version: str,
-    merged: Mapping[str, bytes],
-    wheels: Iterable[Path],
-    resolved: bool,
-) -> None:
-    """Refuse a release that lacks an upstream name the tree's files use.
-
-    The files are read as they would be recorded: merged ones as merged.
-    """
-    release = f"{pins.name}=={version}"
-    tree = {
-        path: merged[path] if path in merged else (root / path).read_bytes()
-        for path in sorted(pins.declared)
-    }
-    command = f"{CLI} rebase --base-version {version}"
-    _refuse(
-        coupling_problems(pins, tree, wheels, release),
-        f"cannot {'record the rebase' if resolved else 'rebase'} onto {release}",
-        f"make those files use what {release} has instead, then run "
-        + (
-            f"{command} --continue again"
-            if resolved
-            else f"{command} again "
-            "(commit them first: a rebase starts on a committed tree)"
-        ),
-    )
-
-
-def _retired(pins: Pins, root: Path, version: str, wheels: Iterable[Path]) -> str:
-    """The known-issues line for the new release's wheels, or empty."""
-    metadata = []
-    for wheel in wheels:
+def read_release(
+    pins: Pins, wheels: Mapping[str, Path]
+) -> tuple[dict[str, bytes], bytes, list[str]]:
+    """A release's originals of the replaced files, its METADATA, and what
+    stops a rebase onto it. Its wheels must agree: one merge serves them all."""
+    found: dict[str, set[bytes]] = {p: set() for p in [*pins.replaces, BASE_METADATA]}
+    problems = []
+    for name, wheel in sorted(wheels.items()):
         with zipfile.ZipFile(wheel) as zf:
-            metadata.append(wheel_metadata(zf))
-    return known_issues_retired(pins, root, metadata, f"{pins.name}=={version}")
-
-
-def _say(line: str) -> None:
-    if line:
-        print(line, file=sys.stderr)
-
-
-def _refuse_uncommitted(root: Path, pins: Pins, version: str) -> None:
-    """Start only where ``git stash`` or a commit can bring back every edit."""
-    paths = ("--", pins.name, "pyproject.toml")
-    status = _git(root, "status", "--porcelain", "--untracked-files=all", *paths)
-    if status.strip():
-        raise OverlayError(
-            f"uncommitted changes under {pins.name}/ or in pyproject.toml:\n"
-            + "".join(f"  {line}\n" for line in status.splitlines())
-            + "A rebase rewrites those files.\nFix: commit or stash them "
-            "(git stash push --include-untracked), then run it again; if this "
-            "is a conflicted rebase that you resolved, record it with:\n"
-            f"  {CLI} rebase --base-version {version} --continue"
-        )
+            problems += release_problems(pins, zf, name)
+            shipped = set(zf.namelist()) & set(pins.replaces)
+            for path in shipped:
+                found[path].add(zf.read(path))
+            found[BASE_METADATA].add(wheel_metadata(zf))
+    problems += [
+        f"{path}: the new release's wheels differ in it"
+        for path, copies in found.items()
+        if len(copies) > 1
+    ]
+    copies = {path: copies.pop() for path, copies in found.items() if copies}
+    return copies, copies.pop(BASE_METADATA, b""), problems
 
 
 def _git(root: Path, *args: str, conflicts_ok: bool = False) -> str:
     """Run git; ``merge-file`` exits with its number of conflicts."""
     try:
         proc = subprocess.run(
-            ["git", *args], cwd=root, capture_output=True, timeout=GIT_TIMEOUT_S
+            ["git", *args], cwd=root, capture_output=True, timeout=120
         )
     except (OSError, subprocess.TimeoutExpired) as err:
         raise OverlayError(f"rebase needs git (git {args[0]}): {err}") from None
@@ -228,48 +151,6 @@ def _git(root: Path, *args: str, conflicts_ok: bool = False) -> str:
             "Fix: run the rebase in a git clone of the repository"
         )
     return proc.stdout.decode(errors="surrogateescape")
-
-
-def _missing_upstream(
-    file: Path, path: str, pins: Pins, version: str, old: bytes, new: bytes
-) -> str:
-    """Upstream's non-conflicting changes that ``file`` lacks, as a problem."""
-    ours = file.read_bytes()
-    labels = _labels(ours, pins, version)
-    again, _ = merge_file(ours, old, new, labels, keep_ours=True)
-    if again == ours:
-        return ""
-    return (
-        f"{path} lacks upstream's change(s) between {labels[1]} and "
-        f"{labels[2]} that do not conflict with ours:\n"
-        + unified_diff(ours, again, path, f"a/{path}", f"b/{path}")
-        + f"Fix: take them in, or commit (or stash) the file and run {CLI} "
-        f"rebase --base-version {version} to merge them again"
-    )
-
-
-def pinned_originals(pins: Pins, cache_dir: Path) -> dict[str, bytes]:
-    """The originals the file pins name: from the store, else the pinned base."""
-    originals = {p: recall(pin, cache_dir) for p, pin in pins.replaces.items()}
-    missing = [path for path, data in originals.items() if data is None]
-    if missing:
-        base = fetch_base_wheel(pins, cache_dir=cache_dir)
-        with zipfile.ZipFile(base) as zf:
-            shipped = set(zf.namelist())
-            for path in missing:
-                data = zf.read(path) if path in shipped else b""
-                if sha256(data) != pins.replaces[path]:
-                    raise OverlayError(
-                        f"the original that {path} is pinned to "
-                        f"(sha256 {pins.replaces[path]}) is neither cached nor in "
-                        f"{base.name}.\nFix: put base-version and "
-                        f"[tool.{CONFIG_TABLE}.sha256] back to the release the file "
-                        "pins were written against (git stash push -- "
-                        "pyproject.toml keeps your edit), then run the rebase again"
-                    )
-                originals[path] = data
-        remember([d for d in originals.values() if d is not None], cache_dir)
-    return originals  # type: ignore[return-value]
 
 
 def merge_file(
@@ -288,60 +169,17 @@ def merge_file(
     return merged, len(re.findall(rb"^<{7} ", merged, re.M))
 
 
-def _labels(ours: bytes, pins: Pins, version: str) -> list[str]:
-    """Name the pinned original after the DEP-3 ``Base:`` line, if there is one."""
-    pattern = rb"^# Base: (" + re.escape(pins.name.encode()) + rb"==\S+)"
-    found = re.search(pattern, ours, re.M)
-    base = found.group(1).decode() if found else "pinned upstream"
-    return ["ours", base, f"{pins.name}=={version}"]
-
-
-def _with_base_line(data: bytes, pins: Pins, version: str) -> bytes:
-    """Keep the DEP-3 header's ``# Base: vllm==X`` line true after a rebase."""
-    pattern = re.compile(
-        rb"^(# Base: " + re.escape(pins.name.encode()) + rb"==)\S+", re.M
-    )
-    return pattern.sub(lambda m: m.group(1) + version.encode(), data, count=1)
-
-
-def _new_pyproject(
-    pyproject: Path,
-    version: str,
-    wheels: Mapping[str, str],
-    replaces: Mapping[str, str],
-) -> str:
-    """pyproject.toml with the new pins, comments kept (tomlkit), and checked."""
-    import tomlkit
-
-    doc = tomlkit.parse(pyproject.read_text())
-    table: Any = doc["tool"][CONFIG_TABLE]  # type: ignore[index]
-    table["base-version"] = version
-    sha = table["sha256"]
-    for key in list(sha):
-        del sha[key]
-    for key, digest in wheels.items():
-        sha[key] = digest
-    for path, digest in replaces.items():
-        table["replaces"][path] = digest
-    text = tomlkit.dumps(doc)
-    with tempfile.TemporaryDirectory(prefix="vllm-overlay-pins-") as tmp:
-        Path(tmp, "pyproject.toml").write_text(text)
-        load_pins(Path(tmp, "pyproject.toml"))
-    return text
-
-
-def _report_conflicts(pins: Pins, version: str, conflicts: Mapping[str, int]) -> None:
-    listed = "".join(f"  {p} ({n} conflict(s))\n" for p, n in conflicts.items())
-    print(
-        f"CONFLICT: {pins.name}=={version} changed lines that this patch "
-        f"changes too, in:\n{listed}"
-        "Those files now hold conflict markers (<<<<<<< ours, ||||||| "
-        f"the pinned original, >>>>>>> {pins.name}=={version}); the other "
-        "files are merged. pyproject.toml is unchanged, and a build refuses "
-        "files with conflict markers.\n"
-        "Next: resolve the conflicts, then run\n"
-        f"  {CLI} rebase --base-version {version} --continue\n"
-        f"or start over with: git stash push -- {pins.name}/ (the merge stays "
-        "in the stash), then run the rebase again",
-        file=sys.stderr,
+def unified_diff(before: bytes, after: bytes, path: str, a: str, b: str) -> str:
+    """A unified diff that ``git apply`` reads back byte for byte: lines split
+    on newlines only (str.splitlines also splits on \\f and more)."""
+    try:
+        old, new = (
+            re.findall(r"[^\n]*\n|[^\n]+\Z", t.decode()) for t in (before, after)
+        )
+    except UnicodeDecodeError:
+        raise OverlayError(f"{path} is not UTF-8 text; cannot diff it") from None
+    lines = difflib.unified_diff(old, new, a, b)
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+        for line in lines
     )

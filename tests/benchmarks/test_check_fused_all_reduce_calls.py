@@ -24,7 +24,6 @@ import pytest
 import tree_imports
 
 from tools import fetch
-from tools.couplings import _chain  # `a.b.c` -> ["a", "b", "c"]
 from tools.pins import load_pins
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +75,15 @@ def _installed_vllm() -> Path:
     import vllm
 
     return Path(vllm.__file__).parent.parent
+
+
+def _chain(expr: ast.expr) -> list[str] | None:
+    """``a.b.c`` -> ["a", "b", "c"]; None for anything but names and attributes."""
+    parts = []
+    while isinstance(expr, ast.Attribute):
+        parts.append(expr.attr)
+        expr = expr.value
+    return [expr.id, *reversed(parts)] if isinstance(expr, ast.Name) else None
 
 
 def _chain_sources() -> list[tuple[str, ast.AST]]:

@@ -65,4 +65,4 @@ def no_download(monkeypatch: pytest.MonkeyPatch) -> None:
     def download(*args: object) -> Path:
         raise AssertionError("the base wheel must not be downloaded here")
 
-    monkeypatch.setattr(fetch, "_pip_download", download)
+    monkeypatch.setattr(fetch, "pip_download", download)

@@ -23,8 +23,8 @@ import packaging
 import pytest
 import wheel
 
-from tools import pack, util
-from tools.pins import LOCATION_ENV, Pins, load_pins
+from tools import check, pack, util
+from tools.pins import BASE_METADATA, LOCATION_ENV, Pins, load_pins
 
 # Seconds a child process (pip, a scratch venv's python) may run.
 TIMEOUT = 180
@@ -145,6 +145,12 @@ def _run_wheel_cli(*args: str) -> None:
 STOCK_PIN = hashlib.sha256(STOCK_SOURCE.encode()).hexdigest()
 
 
+def metadata_of(wheel: Path) -> bytes:
+    """A wheel's METADATA, as tools/base_wheel_METADATA holds the base's."""
+    with zipfile.ZipFile(wheel) as zf:
+        return check.wheel_metadata(zf)
+
+
 def pins_for(*wheels: Path, base_version: str = "0.33.0"):
     """Pins that trust exactly the given wheels, replacing the stock PATCHED."""
     return Pins(
@@ -152,6 +158,7 @@ def pins_for(*wheels: Path, base_version: str = "0.33.0"):
         local_label="hisparse1",
         sha256={w.name: util.sha256_of(w) for w in wheels},
         replaces={PATCHED.as_posix(): STOCK_PIN},
+        base_metadata=metadata_of(wheels[0]),
     )
 
 
@@ -195,13 +202,15 @@ def read_member(wheel: Path, member: str) -> str:
         return zf.read(member).decode()
 
 
-def copy_tools(project: Path) -> None:
-    """Give a scratch project its own copy of the build tool, as a clone has."""
+def copy_tools(project: Path, base: Path) -> None:
+    """Give a scratch project its own copy of the build tool, as a clone has,
+    with ``base``'s METADATA as the pinned release's."""
     shutil.copytree(
         REPO_ROOT / "tools",
         project / "tools",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
+    (project / BASE_METADATA).write_bytes(metadata_of(base))
 
 
 def scratch_project(
@@ -216,7 +225,7 @@ def scratch_project(
     ``pyproject_extra`` is TOML appended to its pyproject.toml.
     """
     project = tmp_path / "project"
-    copy_tools(project)
+    copy_tools(project, base)
     shutil.copytree(make_overlay(tmp_path), project / "vllm")
     for rel, text in (adds or {}).items():
         (project / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -302,9 +311,8 @@ def pyproject_text(
     wheels: list[Path],
     replaces: Mapping[str, str],
     adds: tuple[str, ...] = (),
-    tables: str = "",
 ) -> str:
-    """The repo's pin tables, trusting ``wheels``; ``tables`` go at the end."""
+    """The repo's pin tables, trusting ``wheels``."""
     version = wheels[0].name.split("-")[1]
     listed = ", ".join(f'"{path}"' for path in adds)
     return (
@@ -322,7 +330,6 @@ def pyproject_text(
         + "\n[tool.vllm-overlay.replaces]\n"
         "# Replaced files, pinned to their upstream originals.\n"
         + "".join(f'"{path}" = "{pin}"\n' for path, pin in replaces.items())
-        + tables
     )
 
 
@@ -332,22 +339,16 @@ def make_project(
     files: Mapping[str, str],
     adds: tuple[str, ...] = (),
     replaces: Mapping[str, str] | None = None,
-    tables: str = "",
 ) -> Path:
-    """A git checkout of the repo's layout: pins, the build tool, a tree.
-
-    ``tables`` are more TOML tables for pyproject.toml, e.g. env-choices.
-    """
+    """A git checkout of the repo's layout: pins, the build tool, a tree."""
     project = tmp_path / "project"
-    copy_tools(project)
+    copy_tools(project, wheels[0])
     for rel, text in files.items():
         (project / rel).parent.mkdir(parents=True, exist_ok=True)
         (project / rel).write_text(text)
     if replaces is None:
         replaces = {PATCHED.as_posix(): sha(ORIGINAL)}
-    (project / "pyproject.toml").write_text(
-        pyproject_text(wheels, replaces, adds, tables)
-    )
+    (project / "pyproject.toml").write_text(pyproject_text(wheels, replaces, adds))
     commit(project, "the overlay")
     return project
 

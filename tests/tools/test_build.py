@@ -1,34 +1,66 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The build from end to end: stages, PEP 517 hooks, pins and checks.
+"""The build from end to end: the PEP 517 hooks, the stages, the -C settings.
 
 On tiny synthetic wheels (synthetic.py), with pip cut off from every index
 and config file, so no test touches the network.
 """
 
+import ast
 import email.parser
+import os
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-import tree_imports
 from synthetic import (
     ENTRY_POINTS,
     PATCHED,
     PATCHED_SOURCE,
     REQUIRES_DIST,
-    STOCK_SOURCE,
+    call_hook,
     corrupt,
+    fresh_dir,
     make_overlay,
     make_wheel,
+    metadata_of,
     pins_for,
     pip_wheel,
     read_member,
+    run_limited,
     scratch_project,
+    scratch_venv,
 )
 
 from tools import buildapi, check, pack, util
-from tools.pins import Pins, load_pins
+from tools.pins import LOCATION_ENV, load_pins
+
+VARIANT = """
+[tool.vllm-overlay.variants.flashinfer]
+"0.7.4" = { label = "fi074", requires = ["flashinfer-python==0.7.4"] }
+"""
+BASE_REQUIRES = ["numpy", "flashinfer-python==0.7.2.post1"]
+HOOKS = (
+    "get_requires_for_build_wheel",
+    "get_requires_for_build_editable",
+    "get_requires_for_build_sdist",
+    "prepare_metadata_for_build_wheel",
+    "prepare_metadata_for_build_editable",
+    "build_wheel",
+    "build_editable",
+    "build_sdist",
+)
+
+
+def upstream_like(tmp_path: Path, **kwargs: object) -> Path:
+    """A synthetic base whose WHEEL and file name disagree, as upstream's do."""
+    return make_wheel(
+        tmp_path,
+        wheel_tag="cp38-abi3-linux_x86_64",
+        file_tags="cp38-abi3-manylinux_2_28_x86_64",
+        **kwargs,  # type: ignore[arg-type]
+    )
 
 
 def test_repo_pins_are_the_upstream_release() -> None:
@@ -45,22 +77,30 @@ def test_repo_pins_are_the_upstream_release() -> None:
 
 
 def test_good_build_overlays_and_relabels(tmp_path: Path, out_dir: Path) -> None:
-    base = make_wheel(
-        tmp_path,
-        wheel_tag="cp38-abi3-linux_x86_64",
-        file_tags="cp38-abi3-manylinux_2_28_x86_64",
-    )
-    name = pack.build(
-        out_dir,
-        pins=pins_for(base),
-        overlay_root=make_overlay(tmp_path),
-        location=str(base),
-    )
+    base = upstream_like(tmp_path)
+    written: list[str] = []
 
+    class RecordingWheelFile(pack.WheelFile):
+        def writestr(self, zinfo_or_arcname, data, compress_type=None) -> None:
+            written.append(getattr(zinfo_or_arcname, "filename", zinfo_or_arcname))
+            super().writestr(zinfo_or_arcname, data, compress_type)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pack, "WheelFile", RecordingWheelFile)
+        name = pack.build(
+            out_dir,
+            pins=pins_for(base),
+            overlay_root=make_overlay(tmp_path),
+            location=str(base),
+        )
     # The base file name's platform tag survives, not the WHEEL file's.
     assert name == "vllm-0.33.0+hisparse1-cp38-abi3-manylinux_2_28_x86_64.whl"
-    assert sorted(p.name for p in out_dir.iterdir()) == [name]
     built = out_dir / name
+    with zipfile.ZipFile(built) as zf:
+        names = zf.namelist()
+    assert written == names  # each member compressed once
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    assert not [n for n in names if n.startswith("vllm-0.33.0.dist-info/")]
     dist_info = "vllm-0.33.0+hisparse1.dist-info"
     metadata = email.parser.Parser().parsestr(
         read_member(built, f"{dist_info}/METADATA")
@@ -68,48 +108,61 @@ def test_good_build_overlays_and_relabels(tmp_path: Path, out_dir: Path) -> None
     assert metadata["Version"] == "0.33.0+hisparse1"
     assert metadata.get_all("Requires-Dist") == REQUIRES_DIST
     assert read_member(built, f"{dist_info}/entry_points.txt") == ENTRY_POINTS
-    assert "Tag: cp38-abi3-manylinux_2_28_x86_64" in read_member(
-        built, f"{dist_info}/WHEEL"
-    )
+    wheel_info = read_member(built, f"{dist_info}/WHEEL")
+    assert "Tag: cp38-abi3-manylinux_2_28_x86_64" in wheel_info
+    assert "linux_x86_64" not in wheel_info.replace("manylinux_2_28_x86_64", "")
     assert read_member(built, PATCHED.as_posix()) == PATCHED_SOURCE
-    with zipfile.ZipFile(built) as zf:
-        names = zf.namelist()
-    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
-    assert not [n for n in names if n.startswith("vllm-0.33.0.dist-info/")]
+    values = {}
+    for node in ast.parse(read_member(built, "vllm/_version.py")).body:
+        if isinstance(node, ast.Assign):
+            values[ast.unparse(node.targets[0])] = ast.literal_eval(node.value)
+    assert values["__version__"] == "0.33.0+hisparse1"
+    assert values["__version_tuple__"] == (0, 33, 0, "hisparse1")
     # The RECORD that wheel wrote must vouch for the replaced file.
     record = read_member(built, f"{dist_info}/RECORD")
     patched_row = next(r for r in record.splitlines() if r.startswith(str(PATCHED)))
     assert patched_row.endswith(f",{len(PATCHED_SOURCE)}")
 
 
-def test_wrong_base_version_is_refused(tmp_path: Path, out_dir: Path) -> None:
-    old = make_wheel(tmp_path, version="0.32.0")
-    pins = Pins(
-        base_version="0.33.0",
-        local_label="hisparse1",
-        sha256={"vllm-0.33.0-py3-none-any.whl": "0" * 64},
-    )
-    with pytest.raises(util.OverlayError, match=r"0\.32\.0.*vllm==0\.33\.0"):
-        pack.build(
-            out_dir, pins=pins, overlay_root=make_overlay(tmp_path), location=str(old)
-        )
-    assert list(out_dir.iterdir()) == []
+def test_two_builds_of_one_tree_are_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = make_wheel(tmp_path)
+    overlay_root = make_overlay(tmp_path)
+    monkeypatch.delenv("SOURCE_DATE_EPOCH", raising=False)
+    digests = []
+    for mtime, umask in [(1_600_000_000, 0o022), (1_700_000_000, 0o077)]:
+        # A fresh checkout: other file times, another umask.
+        os.utime(overlay_root.parent / PATCHED, (mtime, mtime))
+        out = fresh_dir(tmp_path)
+        old_umask = os.umask(umask)
+        try:
+            name = pack.build(
+                out, pins=pins_for(base), overlay_root=overlay_root, location=str(base)
+            )
+        finally:
+            os.umask(old_umask)
+        digests.append(util.sha256_of(out / name))
+    assert digests[0] == digests[1]
+    # The default time is the base wheel's own, not the clock's.
+    with zipfile.ZipFile(base) as zf:
+        base_time = max(info.date_time for info in zf.infolist())
+    with zipfile.ZipFile(out / name) as zf:
+        assert {info.date_time for info in zf.infolist()} == {base_time}
 
-
-def test_pins_must_match_base_version(tmp_path: Path) -> None:
-    pyproject = tmp_path / "pyproject.toml"
-    pyproject.write_text(
-        "[tool.vllm-overlay]\nbase-version = '0.33.0'\nlocal-label = 'x1'\n"
-        f"[tool.vllm-overlay.sha256]\n'vllm-0.32.0-py3-none-any.whl' = '{'a' * 64}'\n"
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")  # 2023-11-14 22:13:20
+    out = fresh_dir(tmp_path)
+    name = pack.build(
+        out, pins=pins_for(base), overlay_root=overlay_root, location=str(base)
     )
-    with pytest.raises(util.OverlayError, match=r"is not a vllm==0\.33\.0 wheel"):
-        load_pins(pyproject)
+    with zipfile.ZipFile(out / name) as zf:
+        assert {i.date_time for i in zf.infolist()} == {(2023, 11, 14, 22, 13, 20)}
 
 
 def test_overlay_file_missing_from_base(tmp_path: Path, out_dir: Path) -> None:
     base = make_wheel(tmp_path)
     overlay = make_overlay(tmp_path, "vllm/brand_new.py", "vllm/distributed/x.py")
-    with pytest.raises(util.OverlayError, match="drop-in") as excinfo:
+    with pytest.raises(util.OverlayError, match="not declared") as excinfo:
         pack.build(
             out_dir, pins=pins_for(base), overlay_root=overlay, location=str(base)
         )
@@ -119,17 +172,6 @@ def test_overlay_file_missing_from_base(tmp_path: Path, out_dir: Path) -> None:
     assert list(out_dir.iterdir()) == []
 
 
-def test_extract_base_files_gives_stock_sources(tmp_path: Path) -> None:
-    base = make_wheel(tmp_path)
-    folder = tree_imports.extract_base_files(
-        [PATCHED.as_posix()], tmp_path / "stock", base
-    )
-    assert (folder / PATCHED).read_text() == STOCK_SOURCE
-    assert [p.name for p in (folder / PATCHED).parent.iterdir()] == [PATCHED.name]
-    with pytest.raises(util.OverlayError, match=r"vllm/brand_new\.py"):
-        tree_imports.extract_base_files(["vllm/brand_new.py"], tmp_path / "x", base)
-
-
 def test_empty_overlay_is_refused(tmp_path: Path) -> None:
     (tmp_path / "vllm" / "__pycache__").mkdir(parents=True)
     with pytest.raises(util.OverlayError, match="nothing to overlay"):
@@ -137,11 +179,12 @@ def test_empty_overlay_is_refused(tmp_path: Path) -> None:
 
 
 def test_hook_error_is_a_short_message(capsys: pytest.CaptureFixture) -> None:
+    @buildapi._hook
     def broken() -> str:
         raise util.OverlayError("base wheel is bad.\nFix: do the thing")
 
     with pytest.raises(SystemExit) as excinfo:
-        buildapi._run(broken)
+        broken()
     assert excinfo.value.code == 1
     assert capsys.readouterr().err == "error: base wheel is bad.\nFix: do the thing\n"
 
@@ -165,4 +208,95 @@ def test_pip_shows_the_error_without_traceback(tmp_path: Path, out_dir: Path) ->
     assert "does not match its pin" in output
     assert util.sha256_of(base) in output  # the actual hash, next to the expected
     assert "Traceback" not in output
+    assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("settings", [None, {"flashinfer": "0.7.4"}])
+@pytest.mark.parametrize("hook", ["wheel", "editable"])
+def test_metadata_hooks_need_no_base_wheel(
+    tmp_path: Path, hook: str, settings: dict | None
+) -> None:
+    """pip reads the METADATA from the tree; the wheel then says the same."""
+    base = upstream_like(tmp_path, requires_dist=BASE_REQUIRES)
+    project = scratch_project(tmp_path, base, pyproject_extra=VARIANT)
+    prepared = fresh_dir(tmp_path)
+    # No index, no cache and no VLLM_PRECOMPILED_WHEEL_LOCATION: nothing to fetch.
+    proc = call_hook(project, f"prepare_metadata_for_build_{hook}", prepared, settings)
+    assert proc.returncode == 0, proc.stderr
+    dist_info = proc.stdout.splitlines()[-1]
+    version = "0.33.0+hisparse1" + (".fi074" if settings else "")
+    assert dist_info == f"vllm-{version}.dist-info"
+    assert "fetching" not in proc.stderr
+    out = fresh_dir(tmp_path)
+    env = {LOCATION_ENV: str(base)}
+    proc = call_hook(project, f"build_{hook}", out, settings, env)
+    assert proc.returncode == 0, proc.stderr
+    wheel = out / proc.stdout.splitlines()[-1]
+    assert (prepared / dist_info / "METADATA").read_bytes() == (
+        read_member(wheel, f"{dist_info}/METADATA").encode()
+    )
+
+
+def test_pip_dry_run_downloads_nothing_of_vllm(tmp_path: Path) -> None:
+    base = make_wheel(tmp_path)
+    project = scratch_project(tmp_path, base)
+    python = scratch_venv(tmp_path)
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install"]
+    cmd += ["--dry-run", "--no-deps", "--no-build-isolation", str(project)]
+    proc = run_limited(cmd)  # offline: there is no base wheel to be had
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Would install vllm-0.33.0+hisparse1" in proc.stdout
+    assert not (tmp_path / "vllm-cache").exists()
+
+
+@pytest.mark.parametrize("hook", HOOKS[:3])
+def test_an_unknown_setting_is_one_warning_and_ignored(
+    tmp_path: Path, hook: str
+) -> None:
+    base = make_wheel(tmp_path)
+    project = scratch_project(tmp_path, base, pyproject_extra=VARIANT)
+    proc = call_hook(project, hook, None, {"editable_mode": "compat"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == [
+        (
+            "warning: -C editable_mode=compat is not a setting of this build, "
+            "ignored (this build takes -C flashinfer=0.7.4)"
+        )
+    ]
+    out = fresh_dir(tmp_path)
+    env = {LOCATION_ENV: str(base)}
+    proc = call_hook(project, "build_editable", out, {"editable_mode": "compat"}, env)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr  # once per install, from the first hook
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_a_near_miss_of_flashinfer_is_refused_in_one_line(
+    tmp_path: Path, hook: str
+) -> None:
+    base = make_wheel(tmp_path)
+    project = scratch_project(tmp_path, base, pyproject_extra=VARIANT)
+    out = None if hook.startswith("get_") else fresh_dir(tmp_path)
+    proc = call_hook(project, hook, out, {"flashnifer": "0.7.4"})
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        (
+            "error: -C flashnifer is not a setting of this build; did you mean "
+            "-C flashinfer? this build takes -C flashinfer=0.7.4"
+        )
+    ]
+    assert out is None or list(out.iterdir()) == []
+
+
+def test_base_metadata_is_checked_against_the_base_wheel(
+    tmp_path: Path, out_dir: Path
+) -> None:
+    base = make_wheel(tmp_path)
+    project = scratch_project(tmp_path, base)
+    (project / "tools/base_wheel_METADATA").write_bytes(
+        metadata_of(base).replace(b"numpy", b"numpyy")
+    )
+    proc = pip_wheel(project, out_dir, base)
+    assert proc.returncode != 0
+    assert f"{base.name}'s METADATA is not tools/base_wheel_METADATA" in proc.stderr
     assert list(out_dir.iterdir()) == []

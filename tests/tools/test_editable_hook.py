@@ -20,7 +20,7 @@ from synthetic import (
     site_packages,
 )
 
-from tools import overlay as overlay_stage
+from tools import pack
 
 # Added modules: one beside the replaced file, one in a folder upstream lacks.
 ADDED = {
@@ -92,7 +92,7 @@ def test_only_dotted_names_inside_the_checkout_load(tmp_path: Path) -> None:
 def test_pth_adds_at_most_five_modules_to_startup(tmp_path: Path) -> None:
     base = make_wheel(tmp_path)
     python = editable_install(tmp_path, scratch_project(tmp_path, base), base)
-    pth = site_packages(python) / overlay_stage.EDITABLE_PTH
+    pth = site_packages(python) / pack.EDITABLE_PTH
 
     def loaded() -> set[str]:
         proc = run_limited([str(python), "-c", "import sys; print(*sys.modules)"])
@@ -102,7 +102,7 @@ def test_pth_adds_at_most_five_modules_to_startup(tmp_path: Path) -> None:
     with_hook = loaded()
     pth.rename(pth.with_suffix(".off"))
     added = sorted(with_hook - loaded())
-    assert overlay_stage.EDITABLE_FINDER in added
+    assert pack.EDITABLE_FINDER in added
     assert len(added) <= 5, added
 
 

@@ -8,8 +8,6 @@ documented commands (``python -m tools rebase``, the build) on tiny synthetic
 releases served to pip from a local folder.
 """
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +28,9 @@ from synthetic import (
     read_member,
     refused,
     release,
-    scratch_venv,
     sha,
 )
 
-from tools import fetch, pack, util
 from tools.pins import load_pins
 
 TIMEOUT = 120
@@ -230,81 +226,14 @@ def test_symlink_under_the_tree_is_refused(
     assert str(link.relative_to(project)) in message and "symlink" in message
 
 
-# --- 7. killed builds leave nothing behind ------------------------------------
-
-
-KILLED_BUILD = """
-import os, signal, sys
-from pathlib import Path
-sys.path.insert(0, {root!r})
-from tools import fetch, pack, pins
-
-def killed(*args, **kwargs):
-    os.kill(os.getpid(), signal.SIGTERM)  # as a CI timeout does
-
-setattr({module}, {function!r}, killed)
-pack.build(Path(sys.argv[1]), pins=pins.load_pins(Path(sys.argv[2])),
-           overlay_root=Path(sys.argv[3]))
-"""
-
-
-@pytest.mark.parametrize(
-    ("module", "function", "prefix"),
-    [("fetch", "_run_pip_download", ".download-"), ("pack", "_pack", ".building-")],
-    ids=["download", "pack"],
-)
-def test_killed_build_leaves_nothing_the_next_build_keeps(
-    tmp_path: Path, index: Path, module: str, function: str, prefix: str
-) -> None:
-    old = release(tmp_path, index, "0.33.0", {PATCHED.as_posix(): ORIGINAL})
-    project = make_project(tmp_path, old, {PATCHED.as_posix(): OURS})
-    out = tmp_path / "killed-out"
-    out.mkdir()
-    script = KILLED_BUILD.format(
-        root=str(tree_imports.REPO_ROOT), module=module, function=function
-    )
-    args = [str(out), str(project / "pyproject.toml"), str(project / "vllm")]
-    scratch = tmp_path / "tmp"  # its temporary folders must not outlive it
-    scratch.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-        env={**os.environ, "TMPDIR": str(scratch)},
-    )
-    assert proc.returncode == -signal.SIGTERM, proc.stderr
-    assert list(scratch.iterdir()) == []
-    caches = [
-        fetch.default_cache_dir(),
-        fetch.default_cache_dir().parent / "overlay-wheels",
-    ]
-    assert [p for c in caches if c.is_dir() for p in c.glob(f"{prefix}*")]
-    assert list(out.iterdir()) == []
-
-    # The next build, through the cache, removes what the killed one left.
-    next_out = tmp_path / "next-out"
-    next_out.mkdir()
-    pins = load_pins(project / "pyproject.toml")
-    pack.build(next_out, pins=pins, overlay_root=project / "vllm")
-    assert not [p for c in caches for p in c.glob(".*-*")], "leftovers remain"
-
-
-def test_a_running_builds_scratch_folder_is_kept(tmp_path: Path) -> None:
-    with util.scratch_folder(tmp_path, ".building-") as mine:
-        util.remove_leftovers(tmp_path)
-        assert Path(mine).is_dir()
-
-
-# --- 8. a local-label that makes an invalid wheel name -------------------------
+# --- 7. a local-label that makes an invalid wheel name -------------------------
 
 
 @pytest.mark.parametrize("label", ["hisparse-1", "hi_sparse", "hi sparse", ""])
 def test_bad_local_label_names_the_setting(tmp_path: Path, label: str) -> None:
     base = make_wheel(tmp_path)
     project = tmp_path / "project"
-    copy_tools(project)
+    copy_tools(project, base)
     (project / "pyproject.toml").write_text(
         "[build-system]\n"
         "requires = []\n"
@@ -326,37 +255,7 @@ def test_bad_local_label_names_the_setting(tmp_path: Path, label: str) -> None:
         check=False,
     )
     assert proc.returncode != 0
-    assert (
-        f"local-label = {label!r} in [tool.vllm-overlay]" in proc.stderr + proc.stdout
-    )
+    assert f"label {label!r} is not letters and digits" in proc.stderr + proc.stdout
     assert not (tmp_path / "wheels").exists() or not list(
         (tmp_path / "wheels").iterdir()
     )
-
-
-# --- 11. old pip --------------------------------------------------------------
-
-
-def test_old_pip_prints_no_usage_text(tmp_path: Path, index: Path) -> None:
-    """Python's own bundled pip (23.2 on 3.11), as a fresh venv has it."""
-    base = release(tmp_path, index, "0.33.0", {PATCHED.as_posix(): ORIGINAL})[0]
-    python = scratch_venv(tmp_path, with_pip=True)
-    code = (
-        f"import sys; sys.path.insert(0, {str(tree_imports.REPO_ROOT)!r})\n"
-        "from pathlib import Path\n"
-        "from tools import fetch\n"
-        "print(fetch._pip_download('vllm==0.33.0', Path(sys.argv[1]),"
-        " ['manylinux_2_28_x86_64']).name)\n"
-    )
-    dest = tmp_path / "dest"
-    dest.mkdir()
-    proc = subprocess.run(
-        [str(python), "-c", code, str(dest)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == base.name
-    assert "usage:" not in proc.stderr.lower() and "no such option" not in proc.stderr

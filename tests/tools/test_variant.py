@@ -88,9 +88,9 @@ def build_with(
 def test_the_repo_offers_flashinfer_0_7_4() -> None:
     pins = load_pins(settings={"flashinfer": "0.7.4"})
     assert pins.version == REPO_VARIANT
-    assert pins.requires == ("flashinfer-python==0.7.4",)
+    assert pins.chosen == (("flashinfer", "0.7.4"),)
     default = load_pins()
-    assert (default.version, default.requires) == (REPO_DEFAULT, ())
+    assert (default.version, default.chosen) == (REPO_DEFAULT, ())
 
 
 def test_the_variant_wheel_pins_its_flashinfer_and_says_so(tmp_path: Path) -> None:
@@ -162,13 +162,12 @@ HOOKS = (
 @pytest.mark.parametrize(
     ("settings", "named"),
     [
-        ({"flashinfr": "0.7.4"}, "-C flashinfr=0.7.4"),
-        ({"flashinfer": "0.7.3"}, "-C flashinfer=0.7.3"),
-        ({"flashinfer": ["0.7.4", "0.8.0"]}, "-C flashinfer"),
+        ({"flashinfer": "0.7.3"}, "-C flashinfer=0.7.3 is not a build"),
+        ({"flashinfer": ["0.7.4", "0.8.0"]}, "-C flashinfer is given 2 times"),
     ],
-    ids=["unknown-setting", "unknown-version", "given-twice"],
+    ids=["unknown-version", "given-twice"],
 )
-def test_a_bad_setting_is_one_line_and_builds_nothing(
+def test_a_bad_value_is_one_line_and_builds_nothing(
     tmp_path: Path, hook: str, settings: dict, named: str
 ) -> None:
     base = base_wheel(tmp_path)
@@ -176,10 +175,7 @@ def test_a_bad_setting_is_one_line_and_builds_nothing(
     out = fresh_dir(tmp_path) if hook in HOOKS_WITH_DIRECTORY else None
     proc = call_hook(project, hook, out, settings, {LOCATION_ENV: str(base)})
     assert proc.returncode == 1
-    lines = proc.stderr.splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"error: {named}")
-    assert ACCEPTED in lines[0]
+    assert proc.stderr.splitlines() == [f"error: {named}: this build takes {ACCEPTED}"]
     assert out is None or list(out.iterdir()) == []
 
 
@@ -207,38 +203,6 @@ def test_no_setting_is_the_default_build(tmp_path: Path) -> None:
     ours = read_member(wheel, f"vllm-{DEFAULT}.dist-info/METADATA")
     assert ours.replace(f"Version: {DEFAULT}\n", "") == base_text.replace(
         "Version: 0.33.0\n", ""
-    )
-
-
-def test_the_wheel_cache_keeps_builds_apart(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    base = base_wheel(tmp_path)
-    project = scratch_project(tmp_path, base, pyproject_extra=VARIANTS)
-    variant = {"flashinfer": "0.7.4"}
-    default_wheel = build_with(project, base, tmp_path, None)
-    variant_wheel = build_with(project, base, tmp_path, variant)
-
-    def no_repack(*args: object, **kwargs: object) -> None:
-        raise AssertionError("an unchanged build must come from the cache")
-
-    with monkeypatch.context() as mp:
-        mp.setattr(pack, "repack", no_repack)
-        again = build_with(project, base, tmp_path, None)
-        assert again.read_bytes() == default_wheel.read_bytes()
-        again = build_with(project, base, tmp_path, variant)
-        assert again.read_bytes() == variant_wheel.read_bytes()
-
-    # A variant whose requirement is edited under the same label is rebuilt.
-    pyproject = project / "pyproject.toml"
-    pyproject.write_text(
-        pyproject.read_text().replace(
-            '["flashinfer-python==0.7.4"]', '["flashinfer-python==0.7.4.post1"]'
-        )
-    )
-    edited = build_with(project, base, tmp_path, variant)
-    assert "flashinfer-python==0.7.4.post1" in metadata_of(edited, VARIANT).get_all(
-        "Requires-Dist"
     )
 
 
@@ -324,10 +288,7 @@ def test_the_real_repo_sdist_records_the_variant(tmp_path: Path) -> None:
     with tarfile.open(out / name) as tar:
         tar.extractall(tmp_path / "unpacked", filter="data")
     pins = load_pins(tmp_path / "unpacked" / f"vllm-{REPO_VARIANT}" / "pyproject.toml")
-    assert (pins.version, pins.requires) == (
-        REPO_VARIANT,
-        ("flashinfer-python==0.7.4",),
-    )
+    assert (pins.version, pins.chosen) == (REPO_VARIANT, (("flashinfer", "0.7.4"),))
 
 
 def index_with_flashinfers(tmp_path: Path) -> Path:
@@ -448,55 +409,23 @@ def test_no_deps_over_stock_needs_flashinfer_installed_too(tmp_path: Path) -> No
     ]
 
 
-def entry(value: str = "0.7.4", label: str = "fi074", requires: str = "") -> str:
-    """One line of a variants table; ``requires`` is TOML, by default a pin."""
-    requires = requires or '["flashinfer-python==0.7.4"]'
-    return f'"{value}" = {{ label = "{label}", requires = {requires} }}'
-
-
-MARKED = "[\"flashinfer-python==0.7.4; python_version > '3'\"]"
-BAD_VARIANTS = [
-    (entry(label="fi-074"), "fi-074"),
-    (entry(label="cpu074"), "cpu"),
-    (entry(requires='"flashinfer-python==0.7.4"'), "list"),
-    (entry(requires='["flashinfer-python=0.7.4"]'), "=0.7.4"),
-    (entry(requires=MARKED), "marker"),
-    ('"0.7.4" = { label = "fi074" }', "requires"),
-    (entry(value="0 7 4"), "0 7 4"),
-]
-
-
-@pytest.mark.parametrize(("entry", "named"), BAD_VARIANTS)
-def test_a_bad_variant_declaration_is_refused(
-    tmp_path: Path, entry: str, named: str
-) -> None:
+def test_a_bad_variant_label_is_refused(tmp_path: Path) -> None:
     base = base_wheel(tmp_path)
-    extra = f"\n[tool.vllm-overlay.variants.flashinfer]\n{entry}\n"
+    extra = (
+        "\n[tool.vllm-overlay.variants.flashinfer]\n"
+        '"0.7.4" = { label = "fi-074", requires = ["flashinfer-python==0.7.4"] }\n'
+    )
     project = scratch_project(tmp_path, base, pyproject_extra=extra)
-    with pytest.raises(util.OverlayError) as excinfo:
+    with pytest.raises(util.OverlayError, match="label 'fi-074' is not letters"):
         load_pins(project / "pyproject.toml")
-    message = str(excinfo.value)
-    assert "[tool.vllm-overlay.variants.flashinfer]" in message
-    assert named in message
 
 
-@pytest.mark.parametrize(
-    ("requires", "named"),
-    [
-        (["numpy"], "does not require flashinfer-python"),
-        (["flashinfer-python==0.7.4"], "already pins flashinfer-python==0.7.4"),
-        (["flashinfer-python==0.8.0"], "already pins flashinfer-python==0.8.0"),
-    ],
-    ids=["no-pin", "same-pin", "newer-pin"],
-)
-def test_a_variant_the_base_wheel_makes_pointless_is_refused(
-    tmp_path: Path, requires: list[str], named: str
-) -> None:
-    base = base_wheel(tmp_path, requires=requires)
+def test_a_variant_with_nothing_to_replace_is_refused(tmp_path: Path) -> None:
+    base = base_wheel(tmp_path, requires=["numpy"])
     project = scratch_project(tmp_path, base, pyproject_extra=VARIANTS)
     out = fresh_dir(tmp_path)
     pins = load_pins(project / "pyproject.toml", {"flashinfer": "0.7.4"})
-    with pytest.raises(util.OverlayError, match=named):
+    with pytest.raises(util.OverlayError, match="does not require flashinfer-python"):
         pack.build(out, pins=pins, overlay_root=project / "vllm", location=str(base))
     assert list(out.iterdir()) == []
 
