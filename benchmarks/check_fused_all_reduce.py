@@ -5,12 +5,13 @@
 Runs the kernels `vllm serve` would run, without a model, under the
 conditions that set off the MNNVL race (flashinfer#7782): vLLM's own
 distributed state and workspace (this build's decision, HiSparse on), and
-for each token count of a sweep one CUDA graph of L layers as a DSA model's
-forward runs them (vLLM's `fused_allreduce_rms_norm`, a projection GEMM,
-HiSparse's host gather on a copy stream), replayed back to back. Every
-output is checked against the kernels' own arithmetic, K input sets rotating
-through the graph; 0.7.2.post1's fp16 mnnvl overflow is a finding of its
-own. Ends PASS (exit 0) or FAIL (exit 1); bad input exits 2.
+for each token count of a sweep one CUDA graph of L decoder layers, each with
+the two calls of vLLM's `fused_allreduce_rms_norm` that DeepSeek V3.2's makes,
+the residual chained, a GEMM before each call and HiSparse's host traffic in
+flight across them, replayed back to back. Every output is checked against
+the kernels' own arithmetic, with inputs taken by call index; 0.7.2.post1's
+fp16 mnnvl overflow is a finding of its own. Ends PASS (exit 0) or FAIL
+(exit 1); bad input exits 2.
 
     python benchmarks/check_fused_all_reduce.py -tp 8 [--seconds 120] [--json]
     python benchmarks/check_fused_all_reduce.py -tp 8 --self-test
@@ -19,7 +20,7 @@ The backend is VLLM_FLASHINFER_ALLREDUCE_BACKEND's, as for `vllm serve`.
 `--self-test` injects a wrong token, a rank that dies and a rank that stalls,
 and passes only if each is reported as FAIL on the right rank. `--device cpu`
 runs everything but the kernel (an emulation of it stands in) on gloo,
-without GPUs, graphs or host gathers. Tolerances and how to read a result:
+without GPUs, graphs or host traffic. What a result means:
 docs/configuration/flashinfer_all_reduce.md#checking-the-fused-kernel-on-your-gpus.
 """
 
@@ -130,11 +131,9 @@ class Launcher:
             "max_tokens": args.max_tokens,
             "host_traffic_mib": args.host_traffic_mib,
             "gather_rows": args.gather_rows,
-            "bulk_copies": args.bulk_copies,
             "layers": args.layers,
             "input_sets": args.input_sets,
             "replays_per_sync": args.replays_per_sync,
-            "gemm_columns": args.gemm_columns,
             "inject": self.inject,
             "progress": str(progress),
         }
@@ -236,7 +235,7 @@ class Launcher:
         if kind == "mismatch":
             self.say(
                 f"MISMATCH rank {rank}: {event['dtype']} hidden {event['hidden']} "
-                f"{event['tokens']} tokens, layer {event['layer']} "
+                f"{event['tokens']} tokens, {event['call']} "
                 f"{event['output']} token {event['token']}"
             )
         if kind == "known_issue":

@@ -5,16 +5,16 @@
 Started by the launcher as `python fused_all_reduce_rank.py SPEC RANK FD`,
 one process per rank, as `vllm serve -tp N` starts its workers. The rank
 sets up vLLM's distributed state and a current VllmConfig (HiSparse on unless
-told otherwise), and for each shape of a sweep of token counts replays a
-step of L layers of vLLM's `fused_allreduce_rms_norm`
-(fused_all_reduce_step.py), back to back, checking every output against the
-kernels' own arithmetic. It tells the launcher what happens as JSON lines on
-the pipe FD, and keeps a progress record in a shared file the launcher
-watches for stalls.
+told otherwise), and for each shape of a sweep of token counts replays two
+steps (fused_all_reduce_step.py) back to back: the layers with their GEMMs
+and host traffic, timed per replay, and the fused calls alone, timed per
+call; every output of both is checked against the kernels' own arithmetic.
+It tells the launcher what happens as JSON lines on the pipe FD, and keeps a
+progress record in a shared file the launcher watches for stalls.
 
 With device "cpu" an emulation of the decided backend's kernel stands in for
 FlashInfer's (fused_all_reduce_reference.py), and there are no CUDA graphs
-and no host gathers; everything else is the same code. What only GPUs run is
+and no host traffic; everything else is the same code. What only GPUs run is
 in fused_all_reduce_gpu.py.
 """
 
@@ -42,9 +42,11 @@ from fused_all_reduce_reference import (
 )
 from fused_all_reduce_step import (
     DTYPES,
-    PoisonedTorch,
+    NORMS,
     Step,
+    in_flight,
     largest_fitting,
+    percentiles,
     token_counts,
 )
 
@@ -179,13 +181,12 @@ class KernelCalls:
 
     The op falls back to NCCL plus a separate RMSNorm without a word; the
     kernel it calls is wrapped in the op's own module, so a call of the op
-    that did not reach it is known. `stale` makes the kernel leave norm_out
-    as it was (the stale-output injection).
+    that did not reach it is known (at warm-up and capture: a replay runs
+    no Python).
     """
 
     def __init__(self, op_module: Any):
         self.count = 0
-        self.stale = False
         kernel = op_module.flashinfer_trtllm_fused_allreduce_norm
         self.available = kernel is not None
         if kernel is None:
@@ -193,8 +194,6 @@ class KernelCalls:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
-            if self.stale:
-                kwargs["norm_out"] = torch.empty_like(kwargs["norm_out"])
             return kernel(*args, **kwargs)
 
         op_module.flashinfer_trtllm_fused_allreduce_norm = counted
@@ -213,26 +212,22 @@ class Clock:
         self.marks: list[Any] = []
 
     def time(self, run: Any) -> Any:
-        if self.gpu is None:
-            start = time.perf_counter()
-            value = run()
-            self.marks.append(time.perf_counter() - start)
-            return value
-        start = self.gpu.event()
+        start = self.gpu.event() if self.gpu else time.perf_counter()
         value = run()
-        self.marks.append((start, self.gpu.event()))
+        end = self.gpu.event() if self.gpu else time.perf_counter()
+        self.marks.append((start, end))
         return value
 
     def read(self) -> list[float]:
         """The times marked since the last read (after a synchronize)."""
         marks, self.marks = self.marks, []
         if self.gpu is None:
-            return marks
+            return [end - start for start, end in marks]
         return [start.elapsed_time(end) / 1e3 for start, end in marks]
 
 
 class Rank:
-    """What one rank does, on GPU or CPU."""
+    """What one rank does, on GPU or CPU; the owner of its steps."""
 
     def __init__(self, spec: dict[str, Any], rank: int, reporter: Reporter):
         self.spec = spec
@@ -241,7 +236,7 @@ class Rank:
         self.report = reporter
         self.cuda = spec["device"] == "cuda"
         self.gpu: Any = importlib.import_module(GPU_MODULE) if self.cuda else None
-        self.gather: Any = None
+        self.traffic: Any = None
         self.replays = 0
         self.sent = 0
         self.decided_backend: str | None = None
@@ -284,7 +279,6 @@ class Rank:
         self.tp_group = get_tp_group()
         # Its module globals are what the op calls; they get replaced.
         self.op_module: Any = cast(Any, importlib.import_module(OP_MODULE))
-        self.op_module.torch = PoisonedTorch()
         self.fi_ar = importlib.import_module(FI_AR_MODULE)
         kernel = counted_kernel_release(self.tp_group.cpu_group)
         if not self.cuda:
@@ -299,6 +293,13 @@ class Rank:
         fi_group = importlib.import_module(
             f"{FI_AR_PACKAGE}.flashinfer_all_reduce_group"
         )
+        if self.gpu and self.spec["host_traffic_mib"]:
+            self.traffic = self.gpu.HostTraffic(
+                self.spec["host_traffic_mib"],
+                self.spec["gather_rows"],
+                self.spec["layers"],
+                self.device,
+            )
         self.report.send(
             "info",
             decided_backend=self.decided_backend,
@@ -309,14 +310,6 @@ class Rank:
             ),
             lines=list(self.lines.lines),
         )
-        if self.gpu and self.spec["host_traffic_mib"]:
-            self.gather = self.gpu.HiSparseGather(
-                self.spec["host_traffic_mib"], self.spec["gather_rows"], self.device
-            )
-        if self.gpu and self.spec["bulk_copies"] and self.spec["host_traffic_mib"]:
-            self.stop_copies = self.gpu.start_bulk_copies(
-                self.spec["host_traffic_mib"], self.device
-            )
         configs = [
             (dtype, hidden)
             for dtype in self.spec["dtypes"]
@@ -325,13 +318,19 @@ class Rank:
         slice_seconds = self.spec["seconds"] / len(configs)
         for seed, (dtype, hidden) in enumerate(configs):
             self.run_config(dtype, hidden, slice_seconds, seed)
-        # Only after a clean run: after a fault the launcher hears first.
-        getattr(self, "stop_copies", lambda: None)()
         self.report.advance(PHASE_DONE)
 
     def known_overflow(self, dtype: str) -> bool:
         """Whether zeroed tokens here are the known fp16 overflow."""
         return dtype == "fp16" and self.backend == known_issue(OVERFLOW_ISSUE).backend
+
+    def group_sum(self, partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's fp32 sum of `partials` and of their magnitudes (NCCL
+        on GPUs, gloo on CPU)."""
+        sums = [partials.float(), partials.float().abs()]
+        for total in sums:
+            dist.all_reduce(total, group=self.tp_group.device_group)
+        return sums[0], sums[1]
 
     def fused(self, partial: torch.Tensor, residual: torch.Tensor, norm: Any) -> Any:
         """vLLM's op; FallbackRan if it did not reach FlashInfer's kernel."""
@@ -358,13 +357,16 @@ class Rank:
         self.fi_ar.destroy_fi_ar_workspace()
         torch_dtype = DTYPES[dtype]
         self.report.advance(PHASE_WARMUP)
-        norm = RMSNorm(hidden, eps=RMS_EPS, dtype=torch_dtype).to(self.device)
-        with torch.no_grad():
-            gamma = torch.Generator().manual_seed(seed)
-            norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gamma))
+        norms = []
+        for k in range(len(NORMS)):
+            norm = RMSNorm(hidden, eps=RMS_EPS, dtype=torch_dtype).to(self.device)
+            with torch.no_grad():
+                gamma = torch.Generator().manual_seed(seed * 10 + k)
+                norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gamma))
+            norms.append(norm)
         # The first call creates the workspace, as a model's first forward does.
         probe = torch.zeros(1, hidden, dtype=torch_dtype, device=self.device)
-        self.fused(probe, torch.zeros_like(probe), norm)
+        self.fused(probe, torch.zeros_like(probe), norms[0])
         ws = self.fi_ar.get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
@@ -383,7 +385,11 @@ class Rank:
             budget = min(budget, self.spec["max_tokens"])
         top = largest_fitting(ws, self.world_size, budget, hidden, torch_dtype)
         sweep = token_counts(top)
-        steps = [Step(self, dtype, hidden, n, norm, seed) for n in sweep]
+        steps = [
+            Step(self, dtype, hidden, n, norms, seed, fused_only)
+            for n in sweep
+            for fused_only in (False, True)
+        ]
         for step in steps:
             self.prepare(step)
         self.report.send(
@@ -394,22 +400,23 @@ class Rank:
             tokens=sweep,
             layers=self.spec["layers"],
             input_sets=self.spec["input_sets"],
+            step_nodes=[list(node) for node in steps[0].nodes],
+            in_flight=in_flight(steps[0].nodes),
             lines=list(self.lines.lines),
         )
-        iterations = self.report.iterations
-        start = time.perf_counter()
         self.replay(steps, seconds)
         self.report.send(
             "latency",
             dtype=dtype,
             hidden=hidden,
-            buckets=[step.latency() for step in steps],
-            # For the harness's own cost per replay: all of it, and the
-            # parts that are the step and its checks.
-            iterations=self.report.iterations - iterations,
-            wall_seconds=time.perf_counter() - start,
-            fused_seconds=sum(step.fused_seconds for step in steps),
-            check_seconds=sum(step.check_seconds for step in steps),
+            buckets=[
+                {
+                    "tokens": step.tokens,
+                    "step": percentiles(step.seconds),
+                    "fused_call": percentiles([t / fused.calls for t in fused.seconds]),
+                }
+                for step, fused in zip(steps[::2], steps[1::2], strict=True)
+            ],
         )
 
     def prepare(self, step: Step) -> None:
@@ -426,7 +433,7 @@ class Rank:
         step.run = lambda: (replay(), outputs)[1]
 
     def replay(self, steps: list[Step], seconds: float) -> None:
-        """Bursts of replays per shape, round-robin until rank 0's time is up;
+        """Bursts of replays per step, round-robin until rank 0's time is up;
         the ranks agree on stopping after each round, as they must stop
         together."""
         deadline = time.monotonic() + seconds
@@ -441,28 +448,25 @@ class Rank:
 
     def burst(self, step: Step) -> None:
         """`replays_per_sync` replays queued back to back, then one
-        synchronize, and the checks' records."""
+        synchronize, and the checks' records. After its check, each normed
+        output is filled with NaN: a call that writes nothing the next time
+        leaves NaN, not good numbers."""
         for _ in range(self.spec["replays_per_sync"]):
             self.injected("before")
             self.report.advance()
             step.load(self.replays)
             outputs = self.clock.time(step.run)
             self.injected("after", outputs)
-            checked = time.perf_counter()
             step.check(self.replays, outputs)
-            step.check_seconds += time.perf_counter() - checked
+            for normed, _ in outputs:
+                normed.fill_(float("nan"))
             self.replays += 1
-            step.calls += step.layers
             self.report.iterations += 1
             self.report.advance()
         if self.gpu is not None:
             self.gpu.synchronize()
-        checked = time.perf_counter()
         self.take(step, step.drain())
-        step.check_seconds += time.perf_counter() - checked
-        times = self.clock.read()
-        step.step_seconds += times
-        step.fused_seconds += sum(times)
+        step.seconds += self.clock.read()
         self.report.advance()
 
     def injected(self, when: str, outputs: Any = None) -> None:
@@ -477,11 +481,8 @@ class Rank:
             raise RuntimeError(INJECTED_LAUNCH_FAILURE)
         if when == "before" and kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if when == "before" and kind == "stale":
-            self.kernel.stale = True
-            self.inject = None
         if when == "after" and kind == "wrong":
-            normed = outputs[0][0]
+            normed = outputs[-1][0]
             normed[normed.shape[0] - 1, 0] += 1000
             self.inject = None
 

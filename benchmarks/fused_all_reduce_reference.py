@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The arithmetic of check_fused_all_reduce.py: reference, tolerance, kernels.
 
-`kernel_reference` is what every output is checked against, on GPUs too: it
+`reference` is what every output is checked against, on GPUs too: it
 computes as FlashInfer's fused kernels do (the reduced sum rounded to the
 dtype before the residual is added), and `allowances` is the most a correct
 kernel can differ from it. `emulate_trtllm` and `emulate_mnnvl` replay the
@@ -87,59 +87,39 @@ def _rms_scale(summed: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(summed.pow(2).sum(-1, keepdim=True) / summed.shape[-1] + eps)
 
 
-def kernel_reference(
-    allreduce_in: torch.Tensor,
-    residual: torch.Tensor,
-    gamma: torch.Tensor,
-    eps: float,
-    group: Any,
+def reference(
+    reduced32: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, eps: float
 ) -> dict[str, torch.Tensor]:
-    """The outputs as the kernels compute them, from the group's fp32 sum
-    (NCCL on GPUs, gloo on CPU), with the sum of magnitudes that bounds
-    how far another order of that sum can be."""
-    reduced32 = allreduce_in.float()
-    magnitude = allreduce_in.float().abs()
-    dist.all_reduce(reduced32, group=group)
-    dist.all_reduce(magnitude, group=group)
-    ranks = dist.get_world_size(group)
-    return reference_from_sum(reduced32, residual, gamma, eps, magnitude, ranks)
-
-
-def reference_from_sum(
-    reduced32: torch.Tensor,
-    residual: torch.Tensor,
-    gamma: torch.Tensor,
-    eps: float,
-    magnitude: torch.Tensor,
-    ranks: int,
-) -> dict[str, torch.Tensor]:
-    """The normed and residual outputs and the reduced sum, in the dtype;
-    the fp32 RMS scale per token; and where the reduced sum is so near a
-    rounding tie of the dtype that a kernel summing the ranks in another
-    fp32 order may round it to the neighbour."""
+    """One call's outputs as the kernels compute them, from the group's fp32
+    sum of the partial sums and the residual the call was given: the sum
+    rounded to the dtype, the residual added and rounded, RMSNorm in fp32."""
     dtype = residual.dtype
     reduced = reduced32.to(dtype)
     summed = (reduced.float() + residual.float()).to(dtype)
     scale = _rms_scale(summed.float(), eps)
     normed = (summed.float() * scale * gamma.float()).to(dtype)
-    # Half the spacing below the rounded value (the smaller side at a
-    # power of two), less how far the sum is from it.
+    return {"normed": normed, "residual": summed, "reduced": reduced, "scale": scale}
+
+
+def near_ties(
+    reduced32: torch.Tensor, magnitude: torch.Tensor, ranks: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Where the fp32 sum is so near a rounding tie of the dtype that a kernel
+    summing the ranks in another fp32 order may round it to the neighbour:
+    both sums are within (ranks - 1) fp32 roundings of the exact one, and
+    `magnitude` (the group's sum of |partial|) bounds those."""
+    reduced = reduced32.to(dtype)
+    # Half the spacing below the rounded value (the smaller side at a power
+    # of two), less how far the sum is from it.
     below = ulp(reduced.float().abs() * (1 - 2**-12), dtype)
     to_tie = below / 2 - (reduced32 - reduced.float()).abs()
-    # Both fp32 sums (ours, the kernel's) are within (ranks - 1) fp32
-    # roundings of the exact sum.
-    order_error = 2 * max(ranks - 1, 1) * 2**-24 * magnitude
-    return {
-        "normed": normed,
-        "residual": summed,
-        "reduced": reduced,
-        "scale": scale,
-        "near_tie": to_tie <= order_error,
-    }
+    return to_tie <= 2 * max(ranks - 1, 1) * 2**-24 * magnitude
 
 
-def allowances(ref: dict[str, torch.Tensor], gamma: torch.Tensor) -> tuple[Any, Any]:
-    """How far a correct kernel may be from `kernel_reference`, per value.
+def allowances(
+    ref: dict[str, torch.Tensor], near_tie: torch.Tensor, gamma: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far a correct kernel may be from `reference`, per value.
 
     Residual: nothing, but near a tie, one unit of the reduced sum (the
     kernel's own fp32 order may round it to the neighbour) plus one of the
@@ -151,7 +131,7 @@ def allowances(ref: dict[str, torch.Tensor], gamma: torch.Tensor) -> tuple[Any, 
     """
     dtype = ref["residual"].dtype
     flip = ulp(ref["reduced"], dtype) + ulp(ref["residual"], dtype)
-    residual = torch.where(ref["near_tie"], flip, torch.zeros_like(flip))
+    residual = torch.where(near_tie, flip, torch.zeros_like(flip))
     normed = ulp(ref["normed"], dtype) + residual * ref["scale"] * gamma.float().abs()
     return normed, residual
 

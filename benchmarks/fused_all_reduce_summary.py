@@ -36,7 +36,6 @@ def summarize(
     known = known_issues(events, ranks)
     latency = latency_rows([e for e in events if e["event"] == "latency"])
     iterations = min(s.iterations for s in ranks)
-    cost = iteration_cost([e for e in events if e["event"] == "latency"])
     mismatch_count = sum(s.mismatches for s in ranks)
     reasons = []
     if faults:
@@ -67,6 +66,10 @@ def summarize(
         "seconds": seconds,
         "elapsed": round(elapsed, 1),
         "host_traffic_mib": args.host_traffic_mib if args.device == "cuda" else 0,
+        # Per fused call of the step: the host traffic forked before it and
+        # not yet waited for, and the step's launches in order.
+        "in_flight": configs[0]["in_flight"] if configs else {},
+        "step_nodes": configs[0]["step_nodes"] if configs else [],
         "configs": [
             {k: c[k] for k in ("dtype", "hidden", "backend", "tokens")} for c in configs
         ],
@@ -79,7 +82,6 @@ def summarize(
         "faults": faults,
         "aftermath": aftermath,
         "latency": latency,
-        "iteration_cost_us": cost,
         "startup_lines": lines,
     }
 
@@ -103,8 +105,9 @@ def known_issues(events: list[dict[str, Any]], ranks: list[Any]) -> list[dict]:
 
 
 def latency_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per shape: the step's time (L fused calls with their GEMMs and
-    gathers) and fused calls per second; the slowest rank's."""
+    """Per shape, the slowest rank's: the step's time per replay (its GEMMs,
+    fused calls and host traffic), and the time per fused call of the
+    graph that holds the fused calls alone."""
     rows: dict[tuple, dict[str, Any]] = {}
     for event in events:
         for bucket in event["buckets"]:
@@ -112,42 +115,28 @@ def latency_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row = rows.setdefault(
                 key, {"dtype": key[0], "hidden": key[1], "tokens": key[2]}
             )
-            for stat, value in bucket["step"].items():
-                if value is not None:
-                    name = f"step_{stat}_us"
-                    row[name] = max(row.get(name, 0.0), value * 1e6)
-            rate = bucket["fused_calls_per_second"]
-            if rate is not None:
-                row["fused_calls_per_second"] = min(
-                    row.get("fused_calls_per_second", rate), rate
-                )
+            for timed in ("step", "fused_call"):
+                for stat, value in bucket[timed].items():
+                    if value is not None:
+                        name = f"{timed}_{stat}_us"
+                        row[name] = max(row.get(name, 0.0), value * 1e6)
     return list(rows.values())
 
 
-def iteration_cost(events: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Wall time per replayed step, split into the step (L fused calls),
-    queueing its checks and the rest (the harness's own cost: input loads,
-    reading the checks, progress); the slowest rank's."""
-    per_rank: dict[int, list[float]] = {}
-    for event in events:
-        totals = per_rank.setdefault(event["rank"], [0, 0.0, 0.0, 0.0])
-        totals[0] += event["iterations"]
-        totals[1] += event["wall_seconds"]
-        totals[2] += event["fused_seconds"]
-        totals[3] += event["check_seconds"]
-    costs = [
-        {
-            "total": wall / n * 1e6,
-            "op": fused / n * 1e6,
-            "check": check / n * 1e6,
-            "harness": (wall - fused - check) / n * 1e6,
-        }
-        for n, wall, fused, check in per_rank.values()
-        if n
-    ]
-    if not costs:
-        return None
-    return {k: round(v, 1) for k, v in max(costs, key=lambda c: c["total"]).items()}
+def traffic_line(result: dict[str, Any]) -> str:
+    """Which fused calls were launched with host traffic in flight."""
+    if result["device"] == "cpu":
+        return "none (CPU)"
+    if not result["host_traffic_mib"]:
+        return "none (--host-traffic-mib 0)"
+    in_flight = result["in_flight"]
+    busy = [c for c, names in in_flight.items() if names]
+    gathers = [c for c, names in in_flight.items() if any("gather" in n for n in names)]
+    return (
+        f"{len(busy)} of {len(in_flight)} fused calls launched with host traffic "
+        f"in flight, {len(gathers)} of them with a HiSparse gather "
+        f"({result['host_traffic_mib']} MiB copied each way per step)"
+    )
 
 
 def describe_fault(fault: dict[str, Any]) -> str:
@@ -158,7 +147,7 @@ def describe_fault(fault: dict[str, Any]) -> str:
 def describe_mismatch(m: dict[str, Any]) -> str:
     return (
         f"rank {m['rank']}: {m['dtype']} hidden {m['hidden']}, {m['tokens']} "
-        f"tokens, layer {m['layer']} (input set {m['input_set']}), "
+        f"tokens, {m['call']} (input set {m['input_set']}), "
         f"{m['output']} output, token {m['token']}: worst error "
         f"{m['worst_error']:.4g}, first bad value {m['got']:.6g} "
         f"(want {m['want']:.6g}) at column {m['column']}"
@@ -170,7 +159,7 @@ def format_summary(result: dict[str, Any]) -> str:
     fi = result["flashinfer"] or {}
     platform = result["platform"] or {}
     if result["device"] == "cpu":
-        where = "CPU (emulated kernel on gloo; no CUDA graphs, no host gathers)"
+        where = "CPU (emulated kernel on gloo; no CUDA graphs, no host traffic)"
     else:
         where = (
             f"{result['tp']} x {platform.get('gpu')} "
@@ -190,19 +179,13 @@ def format_summary(result: dict[str, Any]) -> str:
         + (f" ({fi['package']})" if fi.get("package") else ""),
         f"  devices     {where}, {result['nodes']} node(s)",
         (
-            f"  iterations  {result['iterations']} steps of {result['layers']} "
-            f"layers per rank in {result['elapsed']:.0f}s, "
-            f"{result['input_sets']} input sets"
+            f"  replays     {result['iterations']} per rank in "
+            f"{result['elapsed']:.0f}s; steps of {result['layers']} layers, two "
+            f"fused calls each; {result['input_sets']} input sets"
         ),
+        f"  traffic     {traffic_line(result)}",
         f"  mismatches  {result['mismatches']}",
     ]
-    cost = result["iteration_cost_us"]
-    if cost:
-        lines.insert(
-            -1,
-            f"  per step    {cost['total']:.0f} us: step {cost['op']:.0f}, "
-            f"checks {cost['check']:.0f}, harness {cost['harness']:.0f}",
-        )
     lines += [f"    {describe_mismatch(m)}" for m in result["mismatch_details"][:10]]
     lines.append(f"  known issues {len(result['known_issues'])}")
     lines += [
@@ -214,12 +197,13 @@ def format_summary(result: dict[str, Any]) -> str:
     lines += [f"    {describe_fault(f)}" for f in result["faults"]]
     if result["latency"]:
         lines.append(
-            "  step (us)     dtype hidden tokens    p50      p99   fused calls/s"
+            "  time (us)   dtype hidden tokens  step p50  step p99  fused call p50  p99"
         )
         for row in result["latency"]:
             lines.append(
-                f"                {row['dtype']:5} {row['hidden']:6} {row['tokens']:6} "
-                f"{row.get('step_p50_us', 0):8.1f} {row.get('step_p99_us', 0):8.1f} "
-                f"{row.get('fused_calls_per_second', 0):13.0f}"
+                f"              {row['dtype']:5} {row['hidden']:6} {row['tokens']:6} "
+                f"{row.get('step_p50_us', 0):9.1f} {row.get('step_p99_us', 0):9.1f} "
+                f"{row.get('fused_call_p50_us', 0):15.1f} "
+                f"{row.get('fused_call_p99_us', 0):5.1f}"
             )
     return "\n".join(lines)
