@@ -3,25 +3,21 @@
 """Check that every request of saved `vllm bench serve` waves really finished.
 
 `vllm bench serve` counts a streamed request as successful once one chunk
-arrived. When the engine dies mid-stream, vLLM's server ends each open
-stream with an error event and `data: [DONE]`, so the client books those
-requests as successful with however many tokens they got, and `errors`
-stays empty for them: a crashed run can look clean. Its exit status is 0
-even when requests failed.
+arrived, and exits 0 even when requests failed. When the engine dies
+mid-stream, vLLM's server ends each open stream with an error event and
+`data: [DONE]`: the client books those requests as successful with however
+many tokens they got, and `errors` stays empty for them.
 
-Save each wave with `--save-result --save-detailed --ignore-eos` (so each
-request's output length and error are kept, and every request runs to the
-length it asked for), then:
+Save each wave with `--save-result --save-detailed --ignore-eos`, then:
 
     python benchmarks/check_waves.py --output-len 1024 wave-1.json wave-2.json
 
-Three checks per file, one wave each: `completed` equals `num_prompts` (and
-the requests in the file), no request has an error, and every request's
-`output_lens` entry reaches `--output-len`. One line per wave, then the
-verdict. Exit status: 0 every wave passed, 1 a wave failed, 2 bad usage or
-a file that cannot be judged (not a result file, or saved without
-`--save-detailed`). The fields are those `vllm/benchmarks/serve.py`
-(`benchmark` and `main_async`) writes in vllm 0.33.0.
+Three checks per file (one wave), on the fields vllm 0.33.0's
+`vllm/benchmarks/serve.py` saves: `completed` equals `num_prompts` and the
+requests in the file, no request has an error, and each request's
+`output_lens` reaches `--output-len`. One line per wave, then the verdict;
+exit 0 when every wave passed, 1 when one failed, 2 for bad usage or a file
+that cannot be judged.
 """
 
 import argparse
@@ -88,7 +84,11 @@ def problems(data: dict[str, Any], output_len: int) -> list[str]:
     errors = [(i, e) for i, e in enumerate(data["errors"]) if e]
     if errors:
         found.append(f"{len(errors)} with errors")
-        found += [f"request {i}: {_last_line(e)}" for i, e in errors[:LISTED]]
+        # The last line of a client traceback names the exception.
+        found += [
+            f"request {i}: {(e.strip().splitlines() or [''])[-1][:120]}"
+            for i, e in errors[:LISTED]
+        ]
     short = [
         (i, n)
         for i, (n, e) in enumerate(
@@ -100,13 +100,6 @@ def problems(data: dict[str, Any], output_len: int) -> list[str]:
         found.append(f"{len(short)} short of {output_len} output tokens")
         found += [f"request {i}: {n} tokens" for i, n in short[:LISTED]]
     return found
-
-
-def _last_line(error: str, limit: int = 120) -> str:
-    """The last line of a client traceback names the exception."""
-    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
-    line = lines[-1] if lines else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def main(argv: Sequence[str] | None = None) -> int:

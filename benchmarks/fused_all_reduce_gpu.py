@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The part of check_fused_all_reduce.py that only GPUs run.
-
-This project has never run it: no machine of ours has two GPUs. It is kept
-to what vLLM itself calls: the CUDA device of a rank, the op's own token
-budget, the GPU's name and links as vLLM's platform reports them, CUDA-graph
-capture (thread-local, so no other thread can break it) and replay, events,
-and HiSparse's host traffic (`HostTraffic`). Everything else, the check
-itself included, lives in the other modules and runs in the CPU tests.
-tests/benchmarks/test_check_fused_all_reduce_calls.py checks the tensors
-`gather_tensors` builds against the released op's contract, and the vLLM
-names this file calls against the installed vLLM.
+"""The part of check_fused_all_reduce.py that only GPUs run; it has never
+run. Kept to what vLLM itself calls: a rank's device, the op's token budget,
+vLLM's platform, thread-local CUDA-graph capture, events, and HiSparse's host
+traffic. tests/benchmarks/test_check_fused_all_reduce_calls.py checks what
+this hands a released op (`gather_tensors`) against its contract, and the
+vLLM names it calls against the installed vLLM.
 """
 
 from collections.abc import Callable
@@ -24,6 +19,9 @@ from vllm.platforms import current_platform
 from vllm.v1.hisparse.runtime import FP8_DS_MLA_ROW_BYTES, PagedCacheView
 
 MiB = 1024 * 1024
+# Rows each layer's gather reads: DeepSeek V3.2's index_topk, every one a
+# miss.
+GATHER_ROWS = 2048
 # The KV block size of DeepSeek V3.2's fp8_ds_mla cache (FlashMLA sparse,
 # `get_supported_kernel_block_sizes` in
 # vllm/v1/attention/backends/mla/flashmla_sparse.py).
@@ -41,26 +39,19 @@ def op_max_token_num(tp_size: int, hidden_size: int, dtype: torch.dtype) -> int:
     return _max_token_num(tp_size, hidden_size, dtype) or 0
 
 
-def describe(world_size: int) -> dict[str, Any]:
-    """The GPU and its links, as vLLM's platform sees them."""
+def describe() -> dict[str, Any]:
+    """The GPU, as vLLM's platform sees it."""
     capability = current_platform.get_device_capability()
-    physical = [
-        current_platform.device_id_to_physical_device_id(i) for i in range(world_size)
-    ]
     return {
         "gpu": current_platform.get_device_name(),
         "capability": None if capability is None else capability.as_version_str(),
-        "nvlink_fully_connected": current_platform.is_fully_connected(physical),
     }
 
 
 def capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """Capture `fn` in one CUDA graph; return its replay and its outputs.
-
-    `fn` has already run eagerly (the workspace and FlashInfer's kernels
-    are ready), as vLLM warms up before it captures. Thread-local capture:
-    a CUDA call of another thread cannot invalidate it.
-    """
+    """Capture `fn`, which has run eagerly (as vLLM warms up first), in one
+    CUDA graph: its replay and its outputs. Thread-local: a CUDA call of
+    another thread cannot invalidate it."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -69,8 +60,7 @@ def capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
     return graph.replay, outputs
 
 
-def synchronize() -> None:
-    torch.cuda.synchronize()
+synchronize = torch.cuda.synchronize
 
 
 def event() -> Any:
@@ -110,16 +100,16 @@ def gather_tensors(
 
 
 class HostTraffic:
-    """HiSparse's host traffic in a captured step, each part on its own
-    stream forked from the compute stream: the swap-in gather
-    (`HiSparseRuntime._stage_this_layer` and `wait_for_staged_swap`), and
-    chains of host-to-device and device-to-host copies of a pinned pool, as
-    the connector worker's page restores and its `dma_stream` mirror writes
-    run beside the forward. Step nodes name the methods."""
+    """HiSparse's host traffic in a captured step, on streams forked from
+    the compute stream: the swap-in gather (`HiSparseRuntime._stage_this_layer`
+    and `wait_for_staged_swap`), and host-to-device and device-to-host copies
+    of a pinned pool, as the connector worker's page restores and its
+    `dma_stream` mirror writes run beside the forward. Step nodes name the
+    methods."""
 
-    def __init__(self, mib: int, rows: int, layers: int, device: torch.device):
-        pool_rows = max(rows, mib * MiB // FP8_DS_MLA_ROW_BYTES)
-        self.gather_args = gather_tensors(pool_rows, rows, device, pin=True)
+    def __init__(self, mib: int, layers: int, device: torch.device):
+        pool_rows = max(GATHER_ROWS, mib * MiB // FP8_DS_MLA_ROW_BYTES)
+        self.gather_args = gather_tensors(pool_rows, GATHER_ROWS, device, pin=True)
         chunk = pool_rows * FP8_DS_MLA_ROW_BYTES // layers
         pool = self.gather_args[0].view(-1)[: layers * chunk]
         self.h2d_from = pool.view(layers, chunk)

@@ -2,29 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """One shape of check_fused_all_reduce.py: the step a CUDA graph captures.
 
-A step is L layers with the fused calls of `DeepseekV32DecoderLayer.forward`
-(vllm/models/deepseek_v32/nvidia/model.py): vLLM's `fused_allreduce_rms_norm`
-for input_layernorm and post_attention_layernorm, the residual each call
-returns fed to the next. Before each call a GEMM writes the call's partial
-sums, so a GEMM is the fused kernel's PDL predecessor, as at serve time. The
-GEMM multiplies a loaded input by a permutation matrix: its output is exactly
-the call's input set (a sum of one product and zeros rounds the same in any
-order), so the check knows what every rank gave. It does not compute
-attention or an MLP from the normed output.
-
-With host traffic (GPUs only), each layer forks a host-to-device copy at its
-start, HiSparse's gather after its first fused call (joined after the
-second, so it is in flight across that call) and a device-to-host copy after
-its second; the copies are joined at the end of the step. `step_nodes` is
-that launch order and `forward` runs it, so the report's node list is what
-was captured. A fused-only step holds the fused calls alone, for timing.
-
-Inputs go by call index: call c of replay r takes set (r * 2L + c) mod K.
-Both kernels rotate three Lamport buffers, so with K not a multiple of 3 a
-call reading any of the last three calls' data reads another set's. Each
-call is checked against the reference of its set's group sum and of the
-residual it was actually given; the counts wait on the device until the
-next synchronize. The same code runs on CPU, without graphs or traffic.
+L layers with the two fused calls of `DeepseekV32DecoderLayer.forward`
+(vllm/models/deepseek_v32/nvidia/model.py), the residual each call returns
+fed to the next, a GEMM writing each call's partial sums right before it,
+and on GPUs HiSparse's host traffic in flight across the calls
+(`step_nodes`). Inputs go by call index; each call is checked against the
+reference of its input set and of the residual it was given. The same code
+runs on CPU, without graphs or traffic. How and why:
+docs/contributing/gpu_check.md.
 """
 
 from typing import Any, NamedTuple
@@ -43,16 +28,12 @@ LARGE_VALUE = 300.0
 # Token counts either side of PDL_ADVANCE_LAUNCH_TOKENS (16) in vLLM's op.
 PDL_EDGE = (15, 16, 17)
 NORMS = ("input_layernorm", "post_attention_layernorm")
-# A check's record on the device, per call and output: bad values, bad
-# tokens, first bad (flat index), its value, the wanted value, the worst
-# error; and, for the normed output, the tokens zeroed as by the known
-# fp16 overflow (not counted as bad).
-STAT_FIELDS = ("bad", "tokens", "first", "got", "want", "worst", "zeroed")
+# Input sets K: 4 or more and not a multiple of 3.
+INPUT_SETS = 5
 
 
 class Node(NamedTuple):
-    """One launch of a step: on which stream, what, and for which call or
-    layer."""
+    """One launch of a step: its stream, what, and for which call or layer."""
 
     stream: str
     op: str
@@ -99,19 +80,11 @@ def in_flight(nodes: list[Node]) -> dict[int, list[str]]:
     return found
 
 
-def call_name(call: int) -> str:
-    return f"layer {call // 2} {NORMS[call % 2]}"
-
-
 def token_counts(top: int) -> list[int]:
     """The sweep: powers of two (either side of the one-shot/two-shot switch
     wherever it falls), the PDL edge, and the workspace's top."""
-    counts = {top, *PDL_EDGE}
-    power = 1
-    while power <= top:
-        counts.add(power)
-        power *= 2
-    return sorted(c for c in counts if 1 <= c <= top)
+    powers = {2**k for k in range(top.bit_length())}
+    return sorted(n for n in {top, *PDL_EDGE, *powers} if 1 <= n <= top)
 
 
 def largest_fitting(ws: Any, tp_size: int, top: int, hidden: int, dtype: Any) -> int:
@@ -119,47 +92,37 @@ def largest_fitting(ws: Any, tp_size: int, top: int, hidden: int, dtype: Any) ->
     low, high = 0, top
     while low < high:
         mid = (low + high + 1) // 2
-        if ws.is_buffer_size_sufficient(
+        fits = ws.is_buffer_size_sufficient(
             tp_size=tp_size, num_tokens=mid, hidden_dim=hidden, dtype=dtype
-        ):
-            low = mid
-        else:
-            high = mid - 1
+        )
+        low, high = (mid, high) if fits else (low, mid - 1)
     return low
-
-
-def make_inputs(
-    rank: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's partial sums and the residual, both deterministic.
-
-    Every fifth token carries values past 256 (the residual, so the sum
-    too), every seventh large partial sums; token 10 has both, a large
-    reduced sum that the residual cancels.
-    """
-    generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    partial = torch.randn(tokens, hidden, generator=generator) * 0.5
-    residual = torch.randn(
-        tokens, hidden, generator=torch.Generator().manual_seed(seed)
-    )
-    residual[::5] += LARGE_VALUE
-    partial[3::7] *= LARGE_VALUE
-    return partial.to(dtype), residual.to(dtype)
 
 
 def input_sets(
     rank: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int, count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K sets of this rank's partial sums and residuals, stacked."""
-    sets = [
-        make_inputs(rank, tokens, hidden, dtype, seed * 100 + k) for k in range(count)
-    ]
-    return torch.stack([p for p, _ in sets]), torch.stack([r for _, r in sets])
+    """`count` sets of this rank's partial sums and of the residual, stacked;
+    deterministic. Every fifth token carries values past 256 (the residual,
+    so the sum too), every seventh large partial sums; token 10 has both, a
+    large reduced sum that the residual cancels."""
+    partials, residuals = [], []
+    for k in range(count):
+        generator = torch.Generator().manual_seed((seed * 100 + k) * 1000 + rank)
+        partials.append(torch.randn(tokens, hidden, generator=generator) * 0.5)
+        generator = torch.Generator().manual_seed(seed * 100 + k)
+        residuals.append(torch.randn(tokens, hidden, generator=generator))
+    partial, residual = torch.stack(partials), torch.stack(residuals)
+    residual[:, ::5] += LARGE_VALUE
+    partial[:, 3::7] *= LARGE_VALUE
+    return partial.to(dtype), residual.to(dtype)
 
 
 def set_index(replay: int, call: int, calls: int, sets: int) -> int:
-    """The input set of `call` in `replay`: by the call's index since the
-    first replay."""
+    """The input set of `call` in `replay`, by the call's index since the
+    first replay. Both kernels rotate three Lamport buffers: with a set count
+    of 4 or more and not a multiple of 3, a call that reads the buffer of
+    any of the three calls before it reads another set's partial sums."""
     return (replay * calls + call) % sets
 
 
@@ -170,10 +133,10 @@ def check_stats(
     known_overflow: bool,
 ) -> torch.Tensor:
     """Both outputs against their reference, as a (2, 7) tensor on the
-    device: nothing here waits for the device.
-
-    With `known_overflow`, tokens zeroed as by 0.7.2.post1's fp16 mnnvl
-    one-shot are counted apart and not as bad.
+    device (nothing here waits for it): per output, bad values, bad tokens,
+    the first bad value's flat index, it, the value wanted there, the worst
+    error; and for the normed output, the tokens zeroed as by 0.7.2.post1's
+    fp16 mnnvl one-shot, counted apart and not as bad with `known_overflow`.
     """
     zeroed = overflow_zeroed(got_normed, got_residual, want["normed"])
     if not known_overflow:
@@ -194,37 +157,17 @@ def check_stats(
     return torch.stack(rows)
 
 
-def describe_stats(row: list[float], hidden: int) -> dict[str, Any]:
-    """A bad output's record, as the launcher reports it."""
-    first = int(row[2])
-    return {
-        "token": first // hidden,
-        "column": first % hidden,
-        "got": row[3],
-        "want": row[4],
-        "worst_error": row[5],
-        "bad_values": int(row[0]),
-        "bad_tokens": int(row[1]),
-    }
-
-
 def percentiles(samples: list[float]) -> dict[str, float | None]:
-    if not samples:
-        return {"p50": None, "p99": None}
-    ordered = torch.tensor(sorted(samples), dtype=torch.float64)
+    ordered = torch.tensor(samples, dtype=torch.float64)
     return {
-        "p50": float(torch.quantile(ordered, 0.5)),
-        "p99": float(torch.quantile(ordered, 0.99)),
+        f"p{q}": float(ordered.quantile(q / 100)) if samples else None for q in (50, 99)
     }
 
 
 class Step:
-    """One shape: the step's calls, its input sets, its checks.
-
-    `owner` is the rank: `spec`, `rank`, `device`, `traffic` (None on CPU),
-    `fused(partial, residual, norm)`, `group_sum(partials)` (the group's
-    fp32 sum and sum of magnitudes) and `known_overflow(dtype)`.
-    """
+    """One shape: the step's calls, its input sets, its checks. `owner` is
+    the rank: `spec`, `rank`, `device`, `traffic` (None on CPU), `fused()`,
+    `group_sum()` and `known_overflow()`."""
 
     def __init__(
         self,
@@ -254,8 +197,9 @@ class Step:
         if fused_only:
             self.sources = partials.to(device)
         else:
-            # mm(x, weight)[:, j] == x[:, perm[j]]: the inputs are the
-            # partial sums with their columns put where the GEMM takes them.
+            # The GEMM multiplies by a permutation, mm(x, weight)[:, j] ==
+            # x[:, perm[j]]: a sum of one product and zeros, exact in any
+            # order, so its output is the set's partial sums exactly.
             perm = torch.randperm(hidden, generator=torch.Generator().manual_seed(seed))
             weight = torch.zeros(hidden, hidden, dtype=torch_dtype)
             weight[perm, torch.arange(hidden)] = 1
@@ -319,18 +263,26 @@ class Step:
         found = []
         for replay, stats in self.pending:
             for call, rows in enumerate(stats.tolist()):
-                for which, row in zip(("normed", "residual"), rows, strict=True):
-                    if row[0] or row[6]:
-                        found.append(
-                            {
-                                "replay": replay,
-                                "call": call_name(call),
-                                "layer": call // 2,
-                                "input_set": self.set_of(replay, call),
-                                "output": which,
-                                "zeroed_tokens": int(row[6]),
-                                **describe_stats(row, self.hidden),
-                            }
-                        )
+                for output, row in zip(("normed", "residual"), rows, strict=True):
+                    bad, tokens, first, got, want, worst, zeroed = row
+                    if not (bad or zeroed):
+                        continue
+                    found.append(
+                        {
+                            "replay": replay,
+                            "call": f"layer {call // 2} {NORMS[call % 2]}",
+                            "layer": call // 2,
+                            "input_set": self.set_of(replay, call),
+                            "output": output,
+                            "zeroed_tokens": int(zeroed),
+                            "token": int(first) // self.hidden,
+                            "column": int(first) % self.hidden,
+                            "got": got,
+                            "want": want,
+                            "worst_error": worst,
+                            "bad_values": int(bad),
+                            "bad_tokens": int(tokens),
+                        }
+                    )
         self.pending = []
         return found
