@@ -101,7 +101,10 @@ class Launcher:
                 self.watch()
             finally:
                 self.stop_all()
-            self.collect_log_tails()
+            for entry in self.faults + self.aftermath:  # each rank's last words
+                entry["log_tail"] = {
+                    str(rank): self.log_tail(rank) for rank in entry["ranks"]
+                }
         self.elapsed = time.monotonic() - self.started
         return summarize(self)
 
@@ -282,14 +285,9 @@ class Launcher:
                 os.close(state.pipe)
                 state.closed = True
 
-    def collect_log_tails(self) -> None:
-        for entry in self.faults + self.aftermath:
-            entry["log_tail"] = {
-                str(rank): self.ranks[rank]
-                .log.read_text(errors="replace")
-                .splitlines()[-LOG_TAIL_LINES:]
-                for rank in entry["ranks"]
-            }
+    def log_tail(self, rank: int) -> list[str]:
+        log = self.ranks[rank].log.read_text(errors="replace")
+        return log.splitlines()[-LOG_TAIL_LINES:]
 
     def say(self, text: str) -> None:
         print(f"{PROG}: {text}", file=sys.stderr, flush=True)

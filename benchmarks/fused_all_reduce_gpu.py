@@ -13,18 +13,18 @@ from typing import Any
 
 import torch
 
-import vllm._custom_ops  # noqa: F401  (loads torch.ops._C_cache_ops)
 from vllm.model_executor.layers.fused_allreduce_gemma_rms_norm import _max_token_num
+
+# On CUDA this loads vllm._C_stable_libtorch, which registers
+# torch.ops._C_cache_ops.hisparse_gather_compact (vllm/platforms/cuda.py).
 from vllm.platforms import current_platform
 from vllm.v1.hisparse.runtime import FP8_DS_MLA_ROW_BYTES, PagedCacheView
 
 MiB = 1024 * 1024
-# Rows each layer's gather reads: DeepSeek V3.2's index_topk, every one a
-# miss.
+# Rows each layer's gather reads, all misses: DeepSeek V3.2's index_topk.
 GATHER_ROWS = 2048
-# The KV block size of DeepSeek V3.2's fp8_ds_mla cache (FlashMLA sparse,
-# `get_supported_kernel_block_sizes` in
-# vllm/v1/attention/backends/mla/flashmla_sparse.py).
+# DeepSeek V3.2's fp8_ds_mla KV block size (FlashMLA sparse's
+# get_supported_kernel_block_sizes, vllm/v1/attention/backends/mla).
 BLOCK_SIZE = 64
 
 

@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -106,7 +106,7 @@ def build_config(device: str) -> Any:
         config.attention_config.hisparse_config = HiSparseConfig()
         return config
     return VllmConfig(
-        device_config=DeviceConfig(device=device),
+        device_config=DeviceConfig(device="cuda"),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HiSparseConnector",
             kv_role="kv_both",
@@ -190,7 +190,7 @@ class Rank:
         initialize_model_parallel(tensor_model_parallel_size=self.world_size)
         self.tp_group = get_tp_group()
         # Its module globals are what the op calls; they get replaced.
-        self.op_module: Any = importlib.import_module(OP_MODULE)
+        self.op_module: Any = cast(Any, importlib.import_module(OP_MODULE))
         self.fi_ar = ours("")
         kernel = counted_kernel_release(self.tp_group.cpu_group)
         if not self.cuda:
@@ -359,7 +359,7 @@ class Rank:
         then one synchronize, and the checks' records. After its check, each
         normed output is filled with NaN: a call that writes nothing the
         next time leaves NaN, not good numbers."""
-        marks = []
+        marks: list[tuple[Any, Any]] = []
         for _ in range(REPLAYS_PER_SYNC[self.spec["device"]]):
             self.injected("before")
             self.report.advance()

@@ -37,7 +37,7 @@ class Node(NamedTuple):
 
     stream: str
     op: str
-    index: int
+    number: int
 
 
 def step_nodes(layers: int, traffic: bool, gemm: bool = True) -> list[Node]:
@@ -71,12 +71,12 @@ def in_flight(nodes: list[Node]) -> dict[int, list[str]]:
     joins = {"wait_gather": ("copy",), "wait_copies": ("h2d", "d2h")}
     for node in nodes:
         if node.op == "fused":
-            found[node.index] = [name for names in forked.values() for name in names]
+            found[node.number] = [name for names in forked.values() for name in names]
         elif node.op in joins:
             for stream in joins[node.op]:
                 forked.pop(stream, None)
         elif node.stream != "compute":
-            forked.setdefault(node.stream, []).append(f"{node.op} {node.index}")
+            forked.setdefault(node.stream, []).append(f"{node.op} {node.number}")
     return found
 
 
@@ -230,15 +230,15 @@ class Step:
         partial = self.inputs[0]
         for node in self.nodes:
             if node.op == "gemm":
-                partial = torch.mm(self.inputs[node.index], self.weight)
+                partial = torch.mm(self.inputs[node.number], self.weight)
             elif node.op == "fused":
                 if self.fused_only:
-                    partial = self.inputs[node.index]
-                norm = self.norms[node.index % 2]
+                    partial = self.inputs[node.number]
+                norm = self.norms[node.number % 2]
                 normed, residual = self.owner.fused(partial, residual, norm)
                 outputs.append((normed, residual))
             else:
-                getattr(self.owner.traffic, node.op)(node.index)
+                getattr(self.owner.traffic, node.op)(node.number)
         return outputs
 
     def check(

@@ -14,7 +14,7 @@ def summarize(run: Any) -> dict[str, Any]:
     `run` is the launcher, after the run: its args, the ranks' events, the
     faults (the first, then their aftermath), and RankStates."""
     args, events, faults, ranks = run.args, run.events, run.faults, run.ranks
-    info = next((e for e in events if e["event"] == "info"), {})
+    info: dict[str, Any] = next((e for e in events if e["event"] == "info"), {})
     configs = [e for e in events if e["event"] == "config" and e["rank"] == 0]
     iterations = min(s.progress["iterations"] for s in ranks)
     mismatches = sum(s.progress["mismatches"] for s in ranks)

@@ -41,7 +41,7 @@ def test_every_fused_call_runs_with_host_traffic_in_flight() -> None:
     compute = [n for n in nodes if n.stream == "compute"]
     for before, node in zip(compute, compute[1:], strict=False):
         if node.op == "fused":  # its PDL predecessor is its GEMM
-            assert before == Node("compute", "gemm", node.index), node
+            assert before == Node("compute", "gemm", node.number), node
     assert nodes[-1] == Node("compute", "wait_copies", 8)
     # Without traffic, and in the fused-only step, only the calls.
     assert step.in_flight(step.step_nodes(2, traffic=False)) == {
@@ -139,5 +139,5 @@ def test_the_step_launches_its_nodes_in_order() -> None:
     launched = step.Step(owner, "bf16", 64, 4, _norms(64), seed=0)
     launched.load(0)
     launched.forward()
-    want = [(n.op, n.index) for n in launched.nodes if n.op != "gemm"]
+    want = [(n.op, n.number) for n in launched.nodes if n.op != "gemm"]
     assert owner.launched == want and ("gather", 1) in want
