@@ -102,10 +102,9 @@ def gather_tensors(
 class HostTraffic:
     """HiSparse's host traffic in a captured step, on streams forked from
     the compute stream: the swap-in gather (`HiSparseRuntime._stage_this_layer`
-    and `wait_for_staged_swap`), and host-to-device and device-to-host copies
-    of a pinned pool, as the connector worker's page restores and its
-    `dma_stream` mirror writes run beside the forward. Step nodes name the
-    methods."""
+    and `wait_for_staged_swap`), device-to-host copies as the connector
+    worker's `dma_stream` mirror writes, and host-to-device copies as its page
+    restores. Step nodes name the methods."""
 
     def __init__(self, mib: int, layers: int, device: torch.device):
         pool_rows = max(GATHER_ROWS, mib * MiB // FP8_DS_MLA_ROW_BYTES)
