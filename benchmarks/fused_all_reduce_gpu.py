@@ -1,33 +1,31 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The part of check_fused_all_reduce.py that only GPUs run.
-
-This project has never run it: no machine of ours has two GPUs. It is kept
-to what vLLM itself calls: the CUDA device of a rank, the op's own token
-budget, the GPU's name and links as vLLM's platform reports them, CUDA-graph
-capture (thread-local, so no other thread can break it) and replay, events,
-and HiSparse's host gather (`hisparse_gather_compact` on 656-byte rows of a
-pinned host pool, forked on a copy stream and joined, as
-vllm/v1/hisparse/runtime.py runs it). Everything else, the check itself
-included, lives in the other modules and runs in the CPU tests.
-tests/benchmarks/test_check_fused_all_reduce_calls.py checks every
-FlashInfer and vLLM name this file reaches against the released sources.
+"""The part of check_fused_all_reduce.py that only GPUs run; it has never
+run. Kept to what vLLM itself calls: a rank's device, the op's token budget,
+vLLM's platform, thread-local CUDA-graph capture, events, and HiSparse's host
+traffic. tests/benchmarks/test_check_fused_all_reduce_calls.py checks what
+this hands a released op (`gather_tensors`) against its contract, and the
+vLLM names it calls against the installed vLLM.
 """
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-import vllm._custom_ops  # noqa: F401  (loads torch.ops._C_cache_ops)
 from vllm.model_executor.layers.fused_allreduce_gemma_rms_norm import _max_token_num
+
+# On CUDA this loads vllm._C_stable_libtorch, which registers
+# torch.ops._C_cache_ops.hisparse_gather_compact (vllm/platforms/cuda.py).
 from vllm.platforms import current_platform
-from vllm.v1.hisparse.runtime import FP8_DS_MLA_ROW_BYTES
+from vllm.v1.hisparse.runtime import FP8_DS_MLA_ROW_BYTES, PagedCacheView
 
 MiB = 1024 * 1024
-# How long the bulk-copy thread may take to stop.
-STOP_SECONDS = 10.0
+# Rows each layer's gather reads, all misses: DeepSeek V3.2's index_topk.
+GATHER_ROWS = 2048
+# DeepSeek V3.2's fp8_ds_mla KV block size (FlashMLA sparse's
+# get_supported_kernel_block_sizes, vllm/v1/attention/backends/mla).
+BLOCK_SIZE = 64
 
 
 def bind_device(local_rank: int) -> torch.device:
@@ -41,26 +39,19 @@ def op_max_token_num(tp_size: int, hidden_size: int, dtype: torch.dtype) -> int:
     return _max_token_num(tp_size, hidden_size, dtype) or 0
 
 
-def describe(world_size: int) -> dict[str, Any]:
-    """The GPU and its links, as vLLM's platform sees them."""
+def describe() -> dict[str, Any]:
+    """The GPU, as vLLM's platform sees it."""
     capability = current_platform.get_device_capability()
-    physical = [
-        current_platform.device_id_to_physical_device_id(i) for i in range(world_size)
-    ]
     return {
         "gpu": current_platform.get_device_name(),
         "capability": None if capability is None else capability.as_version_str(),
-        "nvlink_fully_connected": current_platform.is_fully_connected(physical),
     }
 
 
 def capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-    """Capture `fn` in one CUDA graph; return its replay and its outputs.
-
-    `fn` has already run eagerly (the workspace and FlashInfer's kernels
-    are ready), as vLLM warms up before it captures. Thread-local capture:
-    a CUDA call of another thread cannot invalidate it.
-    """
+    """Capture `fn`, which has run eagerly (as vLLM warms up first), in one
+    CUDA graph: its replay and its outputs. Thread-local: a CUDA call of
+    another thread cannot invalidate it."""
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -69,8 +60,7 @@ def capture(fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
     return graph.replay, outputs
 
 
-def synchronize() -> None:
-    torch.cuda.synchronize()
+synchronize = torch.cuda.synchronize
 
 
 def event() -> Any:
@@ -80,67 +70,75 @@ def event() -> Any:
     return mark
 
 
-class HiSparseGather:
-    """HiSparse's swap-in of one layer: `hisparse_gather_compact` from a
-    pinned host pool of 656-byte rows into a hot cache on the GPU, on a copy
-    stream forked from the compute stream and joined by it, as
-    `HiSparseRuntime._stage_this_layer` and `wait_for_staged_swap` do."""
-
-    def __init__(self, pool_mib: int, rows: int, device: torch.device):
-        row_bytes = FP8_DS_MLA_ROW_BYTES
-        pool_rows = max(rows, pool_mib * MiB // row_bytes)
-        # The host pool as the runtime binds it: pinned, (rows, row bytes).
-        self.host_cache = torch.empty(
-            (pool_rows, row_bytes), dtype=torch.uint8
-        ).pin_memory()
-        self.hot_cache = torch.empty(
-            (rows, row_bytes), dtype=torch.uint8, device=device
-        )
-        picked = torch.randperm(pool_rows)[:rows].to(torch.int32)
-        self.host_rows = picked.view(1, rows).to(device)
-        self.hot_rows = torch.arange(rows, dtype=torch.int32, device=device).view(
-            1, rows
-        )
-        self.counts = torch.full((1,), rows, dtype=torch.int32, device=device)
-        self.copy_stream = torch.cuda.Stream(device)
-        self.ready = torch.cuda.Event()
-
-    def fork(self) -> None:
-        self.copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.copy_stream):
-            torch.ops._C_cache_ops.hisparse_gather_compact(
-                self.host_cache,
-                self.hot_cache,
-                self.host_rows,
-                self.hot_rows,
-                self.counts,
-            )
-            self.ready.record(self.copy_stream)
-
-    def join(self) -> None:
-        torch.cuda.current_stream().wait_event(self.ready)
+def gather_tensors(
+    pool_rows: int, rows: int, device: torch.device, pin: bool
+) -> tuple[torch.Tensor, ...]:
+    """`hisparse_gather_compact`'s five arguments, as vLLM's runtime builds
+    them: the host pool a (rows, 656) uint8 matrix (`bind_source_cache`),
+    the hot cache [num_blocks, block_size, 656] through `PagedCacheView.bind`
+    (`bind_hot_cache`), and one row of `rows` misses: int32 host rows, hot
+    rows and count (`_SharedTopKState`, sliced by `_swap_rows`)."""
+    host_cache = torch.empty((pool_rows, FP8_DS_MLA_ROW_BYTES), dtype=torch.uint8)
+    if pin:
+        host_cache = host_cache.pin_memory()
+    num_blocks = -(-rows // BLOCK_SIZE)
+    block_bytes = BLOCK_SIZE * FP8_DS_MLA_ROW_BYTES
+    hot = PagedCacheView.bind(
+        torch.empty(num_blocks * block_bytes, dtype=torch.uint8, device=device),
+        dtype=torch.uint8,
+        row_width=FP8_DS_MLA_ROW_BYTES,
+        byte_offset=0,
+        block_stride=block_bytes,
+        num_blocks=num_blocks,
+        block_size=BLOCK_SIZE,
+    )
+    picked = torch.randperm(pool_rows, generator=torch.Generator().manual_seed(0))
+    host_rows = picked[:rows].to(torch.int32).view(1, rows).to(device)
+    hot_rows = torch.arange(rows, dtype=torch.int32, device=device).view(1, rows)
+    counts = torch.full((1,), rows, dtype=torch.int32, device=device)
+    return host_cache, hot.cache, host_rows, hot_rows, counts
 
 
-def start_bulk_copies(mib: int, device: torch.device) -> Callable[[], None]:
-    """Copy a pinned host buffer to the GPU on a stream of another thread
-    until the returned stop(), which waits STOP_SECONDS at most."""
-    staging = torch.empty(mib * MiB, dtype=torch.uint8).pin_memory()
-    copied = torch.empty_like(staging, device=device)
-    stream = torch.cuda.Stream(device)
-    stop = threading.Event()
+class HostTraffic:
+    """HiSparse's host traffic in a captured step, on streams forked from
+    the compute stream: the swap-in gather (`HiSparseRuntime._stage_this_layer`
+    and `wait_for_staged_swap`), device-to-host copies as the connector
+    worker's `dma_stream` mirror writes, and host-to-device copies as its page
+    restores. Step nodes name the methods."""
 
-    def copies() -> None:
-        torch.cuda.set_device(device)  # the current device is per thread
-        with torch.cuda.stream(stream):
-            while not stop.is_set():
-                copied.copy_(staging, non_blocking=True)
-                stream.synchronize()
+    def __init__(self, mib: int, layers: int, device: torch.device):
+        pool_rows = max(GATHER_ROWS, mib * MiB // FP8_DS_MLA_ROW_BYTES)
+        self.gather_args = gather_tensors(pool_rows, GATHER_ROWS, device, pin=True)
+        chunk = pool_rows * FP8_DS_MLA_ROW_BYTES // layers
+        pool = self.gather_args[0].view(-1)[: layers * chunk]
+        self.h2d_from = pool.view(layers, chunk)
+        self.h2d_to = torch.empty_like(self.h2d_from, device=device)
+        self.d2h_from = torch.empty_like(self.h2d_from, device=device)
+        self.d2h_to = torch.empty_like(self.h2d_from).pin_memory()
+        self.streams = {n: torch.cuda.Stream(device) for n in ("copy", "h2d", "d2h")}
+        self.gathered = torch.cuda.Event()
 
-    thread = threading.Thread(target=copies, daemon=True, name="bulk-copies")
-    thread.start()
+    def _fork(self, name: str) -> Any:
+        stream = self.streams[name]
+        stream.wait_stream(torch.cuda.current_stream())
+        return torch.cuda.stream(stream)
 
-    def stop_copies() -> None:
-        stop.set()
-        thread.join(timeout=STOP_SECONDS)
+    def h2d(self, layer: int) -> None:
+        with self._fork("h2d"):
+            self.h2d_to[layer].copy_(self.h2d_from[layer], non_blocking=True)
 
-    return stop_copies
+    def gather(self, layer: int) -> None:
+        with self._fork("copy"):
+            torch.ops._C_cache_ops.hisparse_gather_compact(*self.gather_args)
+            self.gathered.record(self.streams["copy"])
+
+    def wait_gather(self, layer: int) -> None:
+        torch.cuda.current_stream().wait_event(self.gathered)
+
+    def d2h(self, layer: int) -> None:
+        with self._fork("d2h"):
+            self.d2h_to[layer].copy_(self.d2h_from[layer], non_blocking=True)
+
+    def wait_copies(self, end: int) -> None:
+        for name in ("h2d", "d2h"):
+            torch.cuda.current_stream().wait_stream(self.streams[name])

@@ -1,21 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""One rank of check_fused_all_reduce.py.
-
-Started by the launcher as `python fused_all_reduce_rank.py SPEC RANK FD`,
-one process per rank, as `vllm serve -tp N` starts its workers. The rank
-sets up vLLM's distributed state and a current VllmConfig (HiSparse on unless
-told otherwise), and for each shape of a sweep of token counts replays a
-step of L layers of vLLM's `fused_allreduce_rms_norm`
-(fused_all_reduce_step.py), back to back, checking every output against the
-kernels' own arithmetic. It tells the launcher what happens as JSON lines on
-the pipe FD, and keeps a progress record in a shared file the launcher
-watches for stalls.
-
-With device "cpu" an emulation of the decided backend's kernel stands in for
-FlashInfer's (fused_all_reduce_reference.py), and there are no CUDA graphs
-and no host gathers; everything else is the same code. What only GPUs run is
-in fused_all_reduce_gpu.py.
+"""One rank of check_fused_all_reduce.py, started by the launcher as
+`python fused_all_reduce_rank.py SPEC RANK FD`, one process per rank as
+`vllm serve -tp N` starts its workers. It sets up vLLM's distributed state
+under a VllmConfig with HiSparse on and, per shape of a sweep, replays its
+steps (fused_all_reduce_step.py), checking every output. It tells the
+launcher what happens, progress included, as JSON lines on the pipe FD. On
+CPU the emulated kernels of tests/benchmarks/fused_all_reduce_cpu.py stand
+in for FlashInfer's, without graphs or host traffic.
 """
 
 import contextlib
@@ -23,69 +15,60 @@ import ctypes
 import importlib
 import json
 import logging
-import mmap
 import os
 import signal
-import struct
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from fused_all_reduce_reference import (
-    cpu_max_token_num,
-    install_cpu_kernel,
-    platform_reads_as_cuda,
-)
 from fused_all_reduce_step import (
     DTYPES,
-    PoisonedTorch,
+    INPUT_SETS,
+    NORMS,
     Step,
+    in_flight,
     largest_fitting,
+    percentiles,
     token_counts,
 )
 
-FI_AR_MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 FI_AR_PACKAGE = "vllm.distributed.device_communicators"
+# The emulated kernels that stand in for FlashInfer's on CPU: test code.
+CPU_KERNELS = Path(__file__).resolve().parents[1] / "tests/benchmarks"
 OP_MODULE = "vllm.models.common.ops.fused_allreduce_rms_norm"
-GPU_MODULE = "fused_all_reduce_gpu"
 # The known issue whose zeroed tokens are a finding of their own.
 OVERFLOW_ISSUE = "mnnvl fp16 RMSNorm overflow"
-
-# A rank's record in the progress file: how far it got (bumped before and
-# after each replay), its phase, its replays, mismatches and known-issue
-# tokens.
-PROGRESS = struct.Struct("<qqqqq")
 PHASE_START, PHASE_WARMUP, PHASE_REPLAY, PHASE_DONE = range(4)
-
 RMS_EPS = 1e-6
-PR_SET_PDEATHSIG = 1
-# Records sent in full per rank; the rest are only counted.
+# Replays queued between synchronizes; fewer on CPU, where the emulated
+# kernel is slow.
+REPLAYS_PER_SYNC = {"cuda": 16, "cpu": 2}
+# Mismatch records sent in full per rank; the rest are only counted.
 MISMATCH_REPORTS = 20
+PR_SET_PDEATHSIG = 1
 INJECTED_LAUNCH_FAILURE = (
     "CUDA error: unspecified launch failure (injected by check_fused_all_reduce)"
 )
 
 
 class FallbackRan(RuntimeError):
-    """The op ran NCCL plus a separate RMSNorm where FlashInfer's fused
-    kernel was meant to run."""
+    """vLLM's op ran NCCL and RMSNorm instead of FlashInfer's fused kernel."""
 
 
 class Reporter:
-    """The rank's line to the launcher: events on a pipe, progress in a file."""
+    """The rank's line to the launcher: JSON events on a pipe. Progress goes
+    before and after each replay; a rank that stops sending it has stalled,
+    and in a stalled group, the rank with the least progress stalled first."""
 
-    def __init__(self, fd: int, progress_path: str, rank: int):
+    def __init__(self, fd: int, rank: int):
         self.rank = rank
         self._pipe = os.fdopen(fd, "w", buffering=1)
-        self._file = open(progress_path, "r+b")  # noqa: SIM115
-        self._map = mmap.mmap(self._file.fileno(), 0)
-        self._offset = rank * PROGRESS.size
-        self.step = self.iterations = self.mismatches = self.findings = 0
         self.phase = PHASE_START
+        self.iterations = self.mismatches = self.findings = 0
 
     def send(self, event: str, **fields: Any) -> None:
         self._pipe.write(
@@ -93,19 +76,9 @@ class Reporter:
         )
 
     def advance(self, phase: int | None = None) -> None:
-        """Mark progress; a rank that stops calling this has stalled."""
-        if phase is not None:
-            self.phase = phase
-        self.step += 1
-        PROGRESS.pack_into(
-            self._map,
-            self._offset,
-            self.step,
-            self.phase,
-            self.iterations,
-            self.mismatches,
-            self.findings,
-        )
+        self.phase = self.phase if phase is None else phase
+        counts = ("phase", "iterations", "mismatches", "findings")
+        self.send("progress", **{name: getattr(self, name) for name in counts})
 
 
 class FlashInferLines(logging.Handler):
@@ -116,37 +89,35 @@ class FlashInferLines(logging.Handler):
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if "flashinfer" in message.lower():
-            self.lines.append(f"{record.levelname} {message}")
+        if "flashinfer" in record.getMessage().lower():
+            self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
-def build_config(device: Literal["cuda", "cpu"], hisparse: bool) -> Any:
-    """A VllmConfig with HiSparse turned on as users turn it on: a
-    HiSparseConnector, from which vLLM infers `hisparse_config`."""
-    from vllm.config import (
-        DeviceConfig,
-        KVTransferConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+def build_config(device: str) -> Any:
+    """A VllmConfig with HiSparse on. On GPUs as users turn it on: a
+    HiSparseConnector, from which vLLM infers `hisparse_config`. On CPU,
+    where vLLM refuses HiSparse, `hisparse_config` is set as that inference
+    sets it (`VllmConfig.__post_init__`)."""
+    from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
+    from vllm.config.attention import HiSparseConfig
 
-    kwargs: dict[str, Any] = {}
-    if hisparse:
-        kwargs["kv_transfer_config"] = KVTransferConfig(
+    if device == "cpu":
+        config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+        config.attention_config.hisparse_config = HiSparseConfig()
+        return config
+    return VllmConfig(
+        device_config=DeviceConfig(device="cuda"),
+        kv_transfer_config=KVTransferConfig(
             kv_connector="HiSparseConnector",
             kv_role="kv_both",
             kv_connector_extra_config={"host_pool_gib": 4},
-        )
-    with platform_reads_as_cuda(device == "cpu" and hisparse):
-        return VllmConfig(
-            device_config=DeviceConfig(device=device),
-            # HiSparse needs the hybrid KV cache manager, which GPUs enable.
-            scheduler_config=SchedulerConfig.default_factory(
-                disable_hybrid_kv_cache_manager=False
-            ),
-            **kwargs,
-        )
+        ),
+    )
+
+
+def ours(name: str) -> Any:
+    """One of this build's FlashInfer all-reduce modules."""
+    return importlib.import_module(f"{FI_AR_PACKAGE}.flashinfer_all_reduce{name}")
 
 
 def counted_kernel_release(group: Any) -> dict[str, str | None]:
@@ -155,8 +126,7 @@ def counted_kernel_release(group: Any) -> dict[str, str | None]:
     with the group's inputs as the build's own decision reads them."""
     import vllm.envs as envs
 
-    fi_group = importlib.import_module(f"{FI_AR_PACKAGE}.flashinfer_all_reduce_group")
-    policy = importlib.import_module(f"{FI_AR_PACKAGE}.flashinfer_all_reduce_policy")
+    policy, fi_group = ours("_policy"), ours("_group")
     release, package = policy.kernel_release(
         policy.FiArBackendInputs(
             setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
@@ -170,86 +140,24 @@ def counted_kernel_release(group: Any) -> dict[str, str | None]:
 
 
 def known_issue(name: str) -> Any:
-    policy = importlib.import_module(f"{FI_AR_PACKAGE}.flashinfer_all_reduce_policy")
-    return next(issue for issue in policy.FI_AR_KNOWN_ISSUES if issue.name == name)
-
-
-class KernelCalls:
-    """Counts the op's calls of FlashInfer's fused kernel.
-
-    The op falls back to NCCL plus a separate RMSNorm without a word; the
-    kernel it calls is wrapped in the op's own module, so a call of the op
-    that did not reach it is known. `stale` makes the kernel leave norm_out
-    as it was (the stale-output injection).
-    """
-
-    def __init__(self, op_module: Any):
-        self.count = 0
-        self.stale = False
-        kernel = op_module.flashinfer_trtllm_fused_allreduce_norm
-        self.available = kernel is not None
-        if kernel is None:
-            return
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            if self.stale:
-                kwargs["norm_out"] = torch.empty_like(kwargs["norm_out"])
-            return kernel(*args, **kwargs)
-
-        op_module.flashinfer_trtllm_fused_allreduce_norm = counted
-
-
-def refuse_every_call(hidden_states: torch.Tensor, tp_size: int) -> tuple[bool, int]:
-    """The op's FlashInfer gate, refusing: the op falls back."""
-    return False, 0
-
-
-class Clock:
-    """Times replays without waiting: CUDA events on GPUs, read at a drain."""
-
-    def __init__(self, gpu: Any):
-        self.gpu = gpu
-        self.marks: list[Any] = []
-
-    def time(self, run: Any) -> Any:
-        if self.gpu is None:
-            start = time.perf_counter()
-            value = run()
-            self.marks.append(time.perf_counter() - start)
-            return value
-        start = self.gpu.event()
-        value = run()
-        self.marks.append((start, self.gpu.event()))
-        return value
-
-    def read(self) -> list[float]:
-        """The times marked since the last read (after a synchronize)."""
-        marks, self.marks = self.marks, []
-        if self.gpu is None:
-            return marks
-        return [start.elapsed_time(end) / 1e3 for start, end in marks]
+    return next(i for i in ours("_policy").FI_AR_KNOWN_ISSUES if i.name == name)
 
 
 class Rank:
-    """What one rank does, on GPU or CPU."""
+    """What one rank does, on GPU or CPU; the owner of its steps."""
 
     def __init__(self, spec: dict[str, Any], rank: int, reporter: Reporter):
-        self.spec = spec
-        self.rank = rank
-        self.world_size = spec["tp"]
-        self.report = reporter
+        self.spec = {**spec, "input_sets": INPUT_SETS}
+        self.rank, self.world_size, self.report = rank, spec["tp"], reporter
         self.cuda = spec["device"] == "cuda"
-        self.gpu: Any = importlib.import_module(GPU_MODULE) if self.cuda else None
-        self.gather: Any = None
+        self.gpu: Any = (
+            importlib.import_module("fused_all_reduce_gpu") if self.cuda else None
+        )
+        self.traffic: Any = None
         self.replays = 0
-        self.sent = 0
-        self.decided_backend: str | None = None
         self.backend: str | None = None
         inject = spec.get("inject")
         self.inject = inject if inject and inject["rank"] == rank else None
-        self.clock = Clock(self.gpu)
-        self.issue_shapes: set[tuple[str, int, int]] = set()
 
     def run(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -259,8 +167,7 @@ class Rank:
         self.lines = FlashInferLines()
         logging.getLogger("vllm").setLevel(logging.INFO)
         logging.getLogger("vllm").addHandler(self.lines)
-        config = build_config(self.spec["device"], self.spec["hisparse"])
-        with set_current_vllm_config(config):
+        with set_current_vllm_config(build_config(self.spec["device"])):
             self._run()
 
     def _run(self) -> None:
@@ -284,70 +191,76 @@ class Rank:
         self.tp_group = get_tp_group()
         # Its module globals are what the op calls; they get replaced.
         self.op_module: Any = cast(Any, importlib.import_module(OP_MODULE))
-        self.op_module.torch = PoisonedTorch()
-        self.fi_ar = importlib.import_module(FI_AR_MODULE)
+        self.fi_ar = ours("")
         kernel = counted_kernel_release(self.tp_group.cpu_group)
         if not self.cuda:
-            install_cpu_kernel(self.op_module, kernel["release"] or "0")
-        self.kernel = KernelCalls(self.op_module)
+            sys.path.insert(0, str(CPU_KERNELS))
+            self.cpu: Any = importlib.import_module("fused_all_reduce_cpu")
+            self.cpu.install_cpu_kernel(self.op_module, kernel["release"] or "0")
+        self.count_kernel_calls()
         if (self.spec.get("inject") or {}).get("kind") == "fallback":
             # Every rank's gate refuses, as on a group where FlashInfer
             # cannot serve the op; the group stays in step.
-            self.op_module._can_use_flashinfer = refuse_every_call
-        backend, _ = self.fi_ar._resolve_fi_ar_backend(self.tp_group.cpu_group)
-        self.decided_backend = backend
-        fi_group = importlib.import_module(
-            f"{FI_AR_PACKAGE}.flashinfer_all_reduce_group"
+            self.op_module._can_use_flashinfer = lambda *_: (False, 0)
+        self.decided_backend, _ = self.fi_ar._resolve_fi_ar_backend(
+            self.tp_group.cpu_group
         )
+        if self.gpu and self.spec["host_traffic_mib"]:
+            self.traffic = self.gpu.HostTraffic(
+                self.spec["host_traffic_mib"], self.spec["layers"], self.device
+            )
         self.report.send(
             "info",
             decided_backend=self.decided_backend,
             kernel=kernel,
-            nodes=fi_group.group_node_count(self.tp_group.cpu_group),
-            platform=(
-                self.gpu.describe(self.world_size) if self.gpu else {"gpu": None}
-            ),
+            nodes=ours("_group").group_node_count(self.tp_group.cpu_group),
+            platform=self.gpu.describe() if self.gpu else {},
             lines=list(self.lines.lines),
         )
-        if self.gpu and self.spec["host_traffic_mib"]:
-            self.gather = self.gpu.HiSparseGather(
-                self.spec["host_traffic_mib"], self.spec["gather_rows"], self.device
-            )
-        if self.gpu and self.spec["bulk_copies"] and self.spec["host_traffic_mib"]:
-            self.stop_copies = self.gpu.start_bulk_copies(
-                self.spec["host_traffic_mib"], self.device
-            )
         configs = [
-            (dtype, hidden)
-            for dtype in self.spec["dtypes"]
-            for hidden in self.spec["hidden_sizes"]
+            (d, h) for d in self.spec["dtypes"] for h in self.spec["hidden_sizes"]
         ]
-        slice_seconds = self.spec["seconds"] / len(configs)
         for seed, (dtype, hidden) in enumerate(configs):
-            self.run_config(dtype, hidden, slice_seconds, seed)
-        # Only after a clean run: after a fault the launcher hears first.
-        getattr(self, "stop_copies", lambda: None)()
+            self.run_config(dtype, hidden, self.spec["seconds"] / len(configs), seed)
         self.report.advance(PHASE_DONE)
 
     def known_overflow(self, dtype: str) -> bool:
         """Whether zeroed tokens here are the known fp16 overflow."""
         return dtype == "fp16" and self.backend == known_issue(OVERFLOW_ISSUE).backend
 
+    def group_sum(self, partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's fp32 sum of `partials` and of their magnitudes (NCCL
+        on GPUs, gloo on CPU)."""
+        sums = [partials.float(), partials.float().abs()]
+        for total in sums:
+            dist.all_reduce(total, group=self.tp_group.device_group)
+        return sums[0], sums[1]
+
+    def count_kernel_calls(self) -> None:
+        """The op falls back to NCCL plus a separate RMSNorm without a word:
+        wrap the kernel it calls in its own module, to know a call that did
+        not reach it (at warm-up and capture; a replay runs no Python)."""
+        kernel = self.op_module.flashinfer_trtllm_fused_allreduce_norm
+        self.kernel_calls = 0
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.kernel_calls += 1
+            return kernel(*args, **kwargs)
+
+        if kernel is not None:
+            self.op_module.flashinfer_trtllm_fused_allreduce_norm = counted
+
     def fused(self, partial: torch.Tensor, residual: torch.Tensor, norm: Any) -> Any:
         """vLLM's op; FallbackRan if it did not reach FlashInfer's kernel."""
-        before = self.kernel.count
+        before = self.kernel_calls
         outputs = self.op_module.fused_allreduce_rms_norm(partial, residual, norm)
-        if self.kernel.count == before:
-            if not self.kernel.available:
-                why = "vLLM's FlashInfer fusion op did not load"
-            elif self.decided_backend is None:
-                why = "this build turned FlashInfer all-reduce off for the group"
-            else:
-                why = "the op's FlashInfer gate refused it"
+        if self.kernel_calls == before:
             raise FallbackRan(
-                f"fused_allreduce_rms_norm ran NCCL + RMSNorm instead of "
-                f"FlashInfer's fused kernel ({why}) for {partial.shape[0]} "
-                f"tokens, hidden {partial.shape[1]}, {partial.dtype}"
+                "fused_allreduce_rms_norm ran NCCL + RMSNorm instead of "
+                f"FlashInfer's fused kernel for {partial.shape[0]} tokens, "
+                f"hidden {partial.shape[1]}, {partial.dtype} (this build's "
+                f"decision: {self.decided_backend or 'off'}); the rank's log "
+                "says why"
             )
         return outputs
 
@@ -358,13 +271,15 @@ class Rank:
         self.fi_ar.destroy_fi_ar_workspace()
         torch_dtype = DTYPES[dtype]
         self.report.advance(PHASE_WARMUP)
-        norm = RMSNorm(hidden, eps=RMS_EPS, dtype=torch_dtype).to(self.device)
-        with torch.no_grad():
-            gamma = torch.Generator().manual_seed(seed)
-            norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gamma))
+        norms = [RMSNorm(hidden, eps=RMS_EPS, dtype=torch_dtype) for _ in NORMS]
+        for k, norm in enumerate(norms):
+            generator = torch.Generator().manual_seed(seed * 2 + k)
+            with torch.no_grad():
+                norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=generator))
+            norm.to(self.device)
         # The first call creates the workspace, as a model's first forward does.
         probe = torch.zeros(1, hidden, dtype=torch_dtype, device=self.device)
-        self.fused(probe, torch.zeros_like(probe), norm)
+        self.fused(probe, torch.zeros_like(probe), norms[0])
         ws = self.fi_ar.get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
@@ -374,16 +289,17 @@ class Rank:
             group=self.tp_group.cpu_group,
         )
         self.backend = ws.backend
-        budget = (
-            self.gpu.op_max_token_num(self.world_size, hidden, torch_dtype)
-            if self.gpu
-            else cpu_max_token_num(self.world_size, hidden, torch_dtype)
+        budget_of = (self.gpu or self.cpu).op_max_token_num
+        budget = budget_of(self.world_size, hidden, torch_dtype)
+        budget = min(budget, self.spec["max_tokens"] or budget)
+        sweep = token_counts(
+            largest_fitting(ws, self.world_size, budget, hidden, torch_dtype)
         )
-        if self.spec["max_tokens"]:
-            budget = min(budget, self.spec["max_tokens"])
-        top = largest_fitting(ws, self.world_size, budget, hidden, torch_dtype)
-        sweep = token_counts(top)
-        steps = [Step(self, dtype, hidden, n, norm, seed) for n in sweep]
+        steps = [
+            Step(self, dtype, hidden, n, norms, seed, fused_only)
+            for n in sweep
+            for fused_only in (False, True)
+        ]
         for step in steps:
             self.prepare(step)
         self.report.send(
@@ -392,24 +308,24 @@ class Rank:
             hidden=hidden,
             backend=ws.backend,
             tokens=sweep,
-            layers=self.spec["layers"],
-            input_sets=self.spec["input_sets"],
+            input_sets=INPUT_SETS,
+            step_nodes=[list(node) for node in steps[0].nodes],
+            in_flight=in_flight(steps[0].nodes),
             lines=list(self.lines.lines),
         )
-        iterations = self.report.iterations
-        start = time.perf_counter()
         self.replay(steps, seconds)
         self.report.send(
             "latency",
             dtype=dtype,
             hidden=hidden,
-            buckets=[step.latency() for step in steps],
-            # For the harness's own cost per replay: all of it, and the
-            # parts that are the step and its checks.
-            iterations=self.report.iterations - iterations,
-            wall_seconds=time.perf_counter() - start,
-            fused_seconds=sum(step.fused_seconds for step in steps),
-            check_seconds=sum(step.check_seconds for step in steps),
+            buckets=[
+                {
+                    "tokens": layers.tokens,
+                    "step": percentiles(layers.seconds),
+                    "fused_call": percentiles([t / fused.calls for t in fused.seconds]),
+                }
+                for layers, fused in zip(steps[::2], steps[1::2], strict=True)
+            ],
         )
 
     def prepare(self, step: Step) -> None:
@@ -418,15 +334,14 @@ class Rank:
         self.report.advance()
         step.load(0)
         step.check(0, step.forward())
-        self.report.advance()
         self.take(step, step.drain())
-        if self.gpu is None:
-            return
-        replay, outputs = self.gpu.capture(step.forward)
-        step.run = lambda: (replay(), outputs)[1]
+        self.report.advance()
+        if self.gpu is not None:
+            replay, outputs = self.gpu.capture(step.forward)
+            step.run = lambda: (replay(), outputs)[1]
 
     def replay(self, steps: list[Step], seconds: float) -> None:
-        """Bursts of replays per shape, round-robin until rank 0's time is up;
+        """Bursts of replays per step, round-robin until rank 0's time is up;
         the ranks agree on stopping after each round, as they must stop
         together."""
         deadline = time.monotonic() + seconds
@@ -440,29 +355,31 @@ class Rank:
                 return
 
     def burst(self, step: Step) -> None:
-        """`replays_per_sync` replays queued back to back, then one
-        synchronize, and the checks' records."""
-        for _ in range(self.spec["replays_per_sync"]):
+        """Replays queued back to back, each timed (CUDA events on GPUs),
+        then one synchronize, and the checks' records. After its check, each
+        normed output is filled with NaN: a call that writes nothing the
+        next time leaves NaN, not good numbers."""
+        marks: list[tuple[Any, Any]] = []
+        for _ in range(REPLAYS_PER_SYNC[self.spec["device"]]):
             self.injected("before")
             self.report.advance()
             step.load(self.replays)
-            outputs = self.clock.time(step.run)
+            start = self.gpu.event() if self.gpu else time.perf_counter()
+            outputs = step.run()
+            marks.append((start, self.gpu.event() if self.gpu else time.perf_counter()))
             self.injected("after", outputs)
-            checked = time.perf_counter()
             step.check(self.replays, outputs)
-            step.check_seconds += time.perf_counter() - checked
+            for normed, _ in outputs:
+                normed.fill_(float("nan"))
             self.replays += 1
-            step.calls += step.layers
             self.report.iterations += 1
             self.report.advance()
         if self.gpu is not None:
             self.gpu.synchronize()
-        checked = time.perf_counter()
+            step.seconds += [a.elapsed_time(b) / 1e3 for a, b in marks]
+        else:
+            step.seconds += [b - a for a, b in marks]
         self.take(step, step.drain())
-        step.check_seconds += time.perf_counter() - checked
-        times = self.clock.read()
-        step.step_seconds += times
-        step.fused_seconds += sum(times)
         self.report.advance()
 
     def injected(self, when: str, outputs: Any = None) -> None:
@@ -470,74 +387,47 @@ class Rank:
         if self.inject is None or self.replays < self.inject["after"]:
             return
         kind = self.inject["kind"]
-        if when == "before" and kind == "stall":
-            while True:
-                time.sleep(3600)
-        if when == "before" and kind == "die":
-            raise RuntimeError(INJECTED_LAUNCH_FAILURE)
-        if when == "before" and kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if when == "before" and kind == "stale":
-            self.kernel.stale = True
-            self.inject = None
         if when == "after" and kind == "wrong":
-            normed = outputs[0][0]
-            normed[normed.shape[0] - 1, 0] += 1000
+            outputs[-1][0][-1, 0] += 1000  # the last call's normed output
             self.inject = None
+        elif when == "before" and kind == "die":
+            raise RuntimeError(INJECTED_LAUNCH_FAILURE)
+        elif when == "before" and kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while when == "before" and kind == "stall":
+            time.sleep(3600)
 
     def take(self, step: Step, found: list[dict[str, Any]]) -> None:
-        """Report a drain's records: mismatches, and the known issue."""
+        """Report a drain's records: mismatches, and the known issue (once:
+        the count says the rest)."""
+        shape = {"dtype": step.dtype, "hidden": step.hidden, "tokens": step.tokens}
         for record in found:
             zeroed = record.pop("zeroed_tokens")
-            shape = {"dtype": step.dtype, "hidden": step.hidden, "tokens": step.tokens}
-            key = (step.dtype, step.hidden, step.tokens)
-            if zeroed:
-                self.report.findings += zeroed
-            if zeroed and key not in self.issue_shapes:
-                # Once per shape: the count says the rest.
-                self.issue_shapes.add(key)
+            if zeroed and not self.report.findings:
                 issue = known_issue(OVERFLOW_ISSUE)
-                self.report.send(
-                    "known_issue",
-                    name=issue.name,
-                    fixed_in=issue.fixed_in,
-                    effect=issue.effect,
-                    zeroed_tokens=zeroed,
-                    replay=record["replay"],
-                    layer=record["layer"],
-                    **shape,
-                )
+                fields = {k: getattr(issue, k) for k in ("name", "fixed_in", "effect")}
+                self.report.send("known_issue", **fields, **shape)
+            self.report.findings += zeroed
             if record["bad_values"]:
                 self.report.mismatches += 1
-                self.send_capped("mismatch", **shape, **record)
-
-    def send_capped(self, event: str, **fields: Any) -> None:
-        if self.sent < MISMATCH_REPORTS:
-            self.sent += 1
-            self.report.send(event, **fields)
-
-
-def die_with_launcher() -> None:
-    """Ask Linux to kill this rank if the launcher goes, however it goes."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                if self.report.mismatches <= MISMATCH_REPORTS:
+                    self.report.send("mismatch", **shape, **record)
 
 
 def main(argv: list[str]) -> None:
     spec_path, rank_text, fd_text = argv
-    die_with_launcher()
+    # Ask Linux to kill this rank if the launcher goes, however it goes.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     spec = json.loads(Path(spec_path).read_text())
-    rank = int(rank_text)
-    reporter = Reporter(int(fd_text), spec["progress"], rank)
+    reporter = Reporter(int(fd_text), int(rank_text))
     code = 0
     try:
-        Rank(spec, rank, reporter).run()
+        Rank(spec, int(rank_text), reporter).run()
         reporter.send("done")
     except BaseException as e:
         reporter.send(
-            "fault",
-            error=f"{type(e).__name__}: {e}",
-            traceback=traceback.format_exc(),
+            "fault", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()
         )
         code = 1
     # No teardown, no joins: after a GPU fault NCCL's may hang, and the

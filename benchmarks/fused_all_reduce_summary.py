@@ -1,57 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The result of check_fused_all_reduce.py: one record, and its summary.
+"""The result of check_fused_all_reduce.py: the record `--json` prints
+(`summarize`), and its summary for a person (`format_summary`)."""
 
-`summarize` turns what the ranks reported into the record `--json` prints;
-`format_summary` writes it for a person.
-"""
-
-import argparse
 from typing import Any
 
 PROG = "check_fused_all_reduce"
 BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 
 
-def summarize(
-    args: argparse.Namespace,
-    seconds: float,
-    events: list[dict[str, Any]],
-    faults: list[dict[str, Any]],
-    aftermath: list[dict[str, Any]],
-    ranks: list[Any],
-    elapsed: float,
-) -> dict[str, Any]:
+def summarize(run: Any) -> dict[str, Any]:
     """The run as one record: what ran, what was checked, PASS or FAIL.
-
-    `ranks` are the launcher's RankStates: each rank's iterations,
-    mismatches and whether it finished.
-    """
-    info = next((e for e in events if e["event"] == "info"), {})
-    # vLLM's lines about FlashInfer (the start-up line, the workspace's), as
-    # printed while it ran.
-    lines = list(dict.fromkeys(line for e in events for line in e.get("lines", ())))
+    `run` is the launcher, after the run: its args, the ranks' events, the
+    faults (the first, then their aftermath), and RankStates."""
+    args, events, faults, ranks = run.args, run.events, run.faults, run.ranks
+    info: dict[str, Any] = next((e for e in events if e["event"] == "info"), {})
     configs = [e for e in events if e["event"] == "config" and e["rank"] == 0]
-    mismatches = [e for e in events if e["event"] == "mismatch"]
-    known = known_issues(events, ranks)
-    latency = latency_rows([e for e in events if e["event"] == "latency"])
-    iterations = min(s.iterations for s in ranks)
-    cost = iteration_cost([e for e in events if e["event"] == "latency"])
-    mismatch_count = sum(s.mismatches for s in ranks)
-    reasons = []
+    iterations = min(s.progress["iterations"] for s in ranks)
+    mismatches = sum(s.progress["mismatches"] for s in ranks)
+    # The known issue outputs can show, as each rank that saw it reported it.
+    zeroed = {"zeroed_tokens": sum(s.progress["findings"] for s in ranks)}
+    known = [
+        {k: e[k] for k in ("name", "fixed_in", "effect")} | zeroed
+        for e in events
+        if e["event"] == "known_issue"
+    ][:1]
+    reasons = [f"{mismatches} outputs out of tolerance"] if mismatches else []
     if faults:
-        reasons.append("a rank faulted or stalled")
-    if mismatch_count:
-        reasons.append(f"{mismatch_count} outputs out of tolerance")
-    for issue in known:
-        reasons.append(
-            f"FlashInfer known issue {issue['name']!r} (fixed in "
-            f"{issue['fixed_in']}): {issue['zeroed_tokens']} tokens zeroed"
-        )
-    if not faults and not all(s.done for s in ranks):
+        reasons.insert(0, "a rank faulted or stalled")
+    elif not all(s.done for s in ranks):
         reasons.append("not every rank finished")
-    if not faults and iterations == 0:
+    elif iterations == 0:
         reasons.append("nothing was checked")
+    reasons += [
+        f"FlashInfer known issue {k['name']!r} (fixed in {k['fixed_in']}): "
+        f"{k['zeroed_tokens']} tokens zeroed"
+        for k in known
+    ]
     return {
         "verdict": "FAIL" if reasons else "PASS",
         "reasons": reasons,
@@ -63,48 +48,35 @@ def summarize(
         "nodes": info.get("nodes"),
         "tp": args.tp,
         "device": args.device,
-        "hisparse": args.hisparse,
-        "seconds": seconds,
-        "elapsed": round(elapsed, 1),
+        "elapsed": round(run.elapsed, 1),
         "host_traffic_mib": args.host_traffic_mib if args.device == "cuda" else 0,
         "configs": [
             {k: c[k] for k in ("dtype", "hidden", "backend", "tokens")} for c in configs
         ],
-        "layers": getattr(args, "layers", None),
-        "input_sets": getattr(args, "input_sets", None),
+        "layers": args.layers,
+        "input_sets": configs[0]["input_sets"] if configs else None,
+        # The step's launches in order, and per fused call the host traffic
+        # forked before it and not yet waited for.
+        "step_nodes": configs[0]["step_nodes"] if configs else [],
+        "in_flight": configs[0]["in_flight"] if configs else {},
         "iterations": iterations,
-        "mismatches": mismatch_count,
-        "mismatch_details": mismatches,
+        "mismatches": mismatches,
+        "mismatch_details": [e for e in events if e["event"] == "mismatch"],
         "known_issues": known,
         "faults": faults,
-        "aftermath": aftermath,
-        "latency": latency,
-        "iteration_cost_us": cost,
-        "startup_lines": lines,
+        "aftermath": run.aftermath,
+        "latency": latency_rows([e for e in events if e["event"] == "latency"]),
+        # vLLM's lines about FlashInfer: the start-up line, the workspace's.
+        "startup_lines": list(
+            dict.fromkeys(line for e in events for line in e.get("lines", ()))
+        ),
     }
 
 
-def known_issues(events: list[dict[str, Any]], ranks: list[Any]) -> list[dict]:
-    """The known FlashInfer issues the outputs showed, apart from
-    mismatches: each with its fixing release and the tokens it zeroed."""
-    found: dict[str, dict[str, Any]] = {}
-    for event in (e for e in events if e["event"] == "known_issue"):
-        entry = found.setdefault(
-            event["name"],
-            {k: event[k] for k in ("name", "fixed_in", "effect")} | {"shapes": []},
-        )
-        shape = {k: event[k] for k in ("rank", "dtype", "hidden", "tokens")}
-        if shape not in entry["shapes"]:
-            entry["shapes"].append(shape)
-    for entry in found.values():
-        # Every zeroed token counts, also those past the events sent in full.
-        entry["zeroed_tokens"] = sum(s.findings for s in ranks)
-    return list(found.values())
-
-
 def latency_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per shape: the step's time (L fused calls with their GEMMs and
-    gathers) and fused calls per second; the slowest rank's."""
+    """Per shape, the slowest rank's: the step's time per replay (its GEMMs,
+    fused calls and host traffic), and the time per fused call of the
+    graph that holds the fused calls alone."""
     rows: dict[tuple, dict[str, Any]] = {}
     for event in events:
         for bucket in event["buckets"]:
@@ -112,42 +84,28 @@ def latency_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row = rows.setdefault(
                 key, {"dtype": key[0], "hidden": key[1], "tokens": key[2]}
             )
-            for stat, value in bucket["step"].items():
-                if value is not None:
-                    name = f"step_{stat}_us"
-                    row[name] = max(row.get(name, 0.0), value * 1e6)
-            rate = bucket["fused_calls_per_second"]
-            if rate is not None:
-                row["fused_calls_per_second"] = min(
-                    row.get("fused_calls_per_second", rate), rate
-                )
+            for timed in ("step", "fused_call"):
+                for stat, value in bucket[timed].items():
+                    name = f"{timed}_{stat}_us"
+                    if value is not None:
+                        row[name] = max(row.get(name, 0.0), value * 1e6)
     return list(rows.values())
 
 
-def iteration_cost(events: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Wall time per replayed step, split into the step (L fused calls),
-    queueing its checks and the rest (the harness's own cost: input loads,
-    reading the checks, progress); the slowest rank's."""
-    per_rank: dict[int, list[float]] = {}
-    for event in events:
-        totals = per_rank.setdefault(event["rank"], [0, 0.0, 0.0, 0.0])
-        totals[0] += event["iterations"]
-        totals[1] += event["wall_seconds"]
-        totals[2] += event["fused_seconds"]
-        totals[3] += event["check_seconds"]
-    costs = [
-        {
-            "total": wall / n * 1e6,
-            "op": fused / n * 1e6,
-            "check": check / n * 1e6,
-            "harness": (wall - fused - check) / n * 1e6,
-        }
-        for n, wall, fused, check in per_rank.values()
-        if n
-    ]
-    if not costs:
-        return None
-    return {k: round(v, 1) for k, v in max(costs, key=lambda c: c["total"]).items()}
+def traffic_line(result: dict[str, Any]) -> str:
+    """Which fused calls were launched with host traffic in flight."""
+    if result["device"] == "cpu":
+        return "none (CPU)"
+    if not result["host_traffic_mib"]:
+        return "none (--host-traffic-mib 0)"
+    calls = result["in_flight"].values()
+    busy = [names for names in calls if names]
+    gathers = [names for names in busy if any("gather" in n for n in names)]
+    return (
+        f"{len(busy)} of {len(calls)} fused calls launched with host traffic in "
+        f"flight, {len(gathers)} of them across a HiSparse gather "
+        f"({result['host_traffic_mib']} MiB copied each way per step)"
+    )
 
 
 def describe_fault(fault: dict[str, Any]) -> str:
@@ -158,10 +116,9 @@ def describe_fault(fault: dict[str, Any]) -> str:
 def describe_mismatch(m: dict[str, Any]) -> str:
     return (
         f"rank {m['rank']}: {m['dtype']} hidden {m['hidden']}, {m['tokens']} "
-        f"tokens, layer {m['layer']} (input set {m['input_set']}), "
-        f"{m['output']} output, token {m['token']}: worst error "
-        f"{m['worst_error']:.4g}, first bad value {m['got']:.6g} "
-        f"(want {m['want']:.6g}) at column {m['column']}"
+        f"tokens, {m['call']} (input set {m['input_set']}), {m['output']} "
+        f"output, token {m['token']}: worst error {m['worst_error']:.4g}, first "
+        f"bad value {m['got']:.6g} (want {m['want']:.6g}) at column {m['column']}"
     )
 
 
@@ -169,57 +126,44 @@ def format_summary(result: dict[str, Any]) -> str:
     """The result for a person."""
     fi = result["flashinfer"] or {}
     platform = result["platform"] or {}
-    if result["device"] == "cpu":
-        where = "CPU (emulated kernel on gloo; no CUDA graphs, no host gathers)"
-    else:
+    where = "CPU (emulated kernel on gloo; no CUDA graphs, no host traffic)"
+    if result["device"] == "cuda":
         where = (
-            f"{result['tp']} x {platform.get('gpu')} "
-            f"(sm {platform.get('capability')}), NVLink fully connected: "
-            f"{platform.get('nvlink_fully_connected')}"
+            f"{result['tp']} x {platform.get('gpu')} (sm {platform.get('capability')})"
         )
-    backends = ", ".join(result["backends"]) or result["decided_backend"] or "off"
-    hisparse = "on" if result["hisparse"] else "off"
+    reasons = f" ({'; '.join(result['reasons'])})" if result["reasons"] else ""
+    backends = ", ".join(result["backends"]) or result["decided_backend"]
     lines = [
-        f"{PROG}: {result['verdict']}"
-        + (f" ({'; '.join(result['reasons'])})" if result["reasons"] else ""),
+        f"{PROG}: {result['verdict']}{reasons}",
         (
             f"  backend     {backends} ({BACKEND_ENV}="
-            f"{result['backend_setting']}, HiSparse {hisparse})"
+            f"{result['backend_setting']}, HiSparse on)"
         ),
-        f"  FlashInfer  {fi.get('release')} kernels"
-        + (f" ({fi['package']})" if fi.get("package") else ""),
+        f"  FlashInfer  {fi.get('release')} kernels ({fi.get('package')})",
         f"  devices     {where}, {result['nodes']} node(s)",
         (
-            f"  iterations  {result['iterations']} steps of {result['layers']} "
-            f"layers per rank in {result['elapsed']:.0f}s, "
-            f"{result['input_sets']} input sets"
+            f"  replays     {result['iterations']} per rank in "
+            f"{result['elapsed']:.0f}s; steps of {result['layers']} layers, two "
+            f"fused calls each; {result['input_sets']} input sets by call index"
         ),
+        f"  traffic     {traffic_line(result)}",
         f"  mismatches  {result['mismatches']}",
+        *(f"    {describe_mismatch(m)}" for m in result["mismatch_details"][:10]),
+        f"  known issues {len(result['known_issues'])}",
+        *(
+            f"    {k['name']} (fixed in FlashInfer {k['fixed_in']}): "
+            f"{k['zeroed_tokens']} tokens zeroed; {k['effect']}"
+            for k in result["known_issues"]
+        ),
+        f"  faults      {len(result['faults'])}",
+        *(f"    {describe_fault(f)}" for f in result["faults"]),
     ]
-    cost = result["iteration_cost_us"]
-    if cost:
-        lines.insert(
-            -1,
-            f"  per step    {cost['total']:.0f} us: step {cost['op']:.0f}, "
-            f"checks {cost['check']:.0f}, harness {cost['harness']:.0f}",
-        )
-    lines += [f"    {describe_mismatch(m)}" for m in result["mismatch_details"][:10]]
-    lines.append(f"  known issues {len(result['known_issues'])}")
-    lines += [
-        f"    {k['name']} (fixed in FlashInfer {k['fixed_in']}): "
-        f"{k['zeroed_tokens']} tokens zeroed; {k['effect']}"
-        for k in result["known_issues"]
-    ]
-    lines.append(f"  faults      {len(result['faults'])}")
-    lines += [f"    {describe_fault(f)}" for f in result["faults"]]
+    timed = ("step_p50", "step_p99", "fused_call_p50", "fused_call_p99")
     if result["latency"]:
-        lines.append(
-            "  step (us)     dtype hidden tokens    p50      p99   fused calls/s"
-        )
-        for row in result["latency"]:
-            lines.append(
-                f"                {row['dtype']:5} {row['hidden']:6} {row['tokens']:6} "
-                f"{row.get('step_p50_us', 0):8.1f} {row.get('step_p99_us', 0):8.1f} "
-                f"{row.get('fused_calls_per_second', 0):13.0f}"
-            )
+        heads = "".join(f"{t.replace('_', ' '):>15}" for t in timed)
+        lines.append(f"  time (us)   dtype hidden tokens{heads}")
+    for row in result["latency"]:
+        cells = "".join(f"{row.get(f'{t}_us', 0):15.1f}" for t in timed)
+        shape = f"{row['dtype']:5} {row['hidden']:6} {row['tokens']:6}"
+        lines.append(f"              {shape}{cells}")
     return "\n".join(lines)

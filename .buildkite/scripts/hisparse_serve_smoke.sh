@@ -34,7 +34,10 @@ curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { cat "$LOG"; exit 1; }
 grep "FlashInfer all-reduce backend for ranks" "$LOG"
 grep -q "FlashInfer all-reduce backend for ranks .*: trtllm" "$LOG"
 
-python3 benchmarks/check_waves.py --waves 1 --result-dir "$RESULTS" -- \
-    --model "$MODEL" --port "$PORT" --dataset-name random \
+vllm bench serve --model "$MODEL" --port "$PORT" --dataset-name random \
     --random-input-len 2048 --random-output-len 256 \
-    --num-prompts 16 --max-concurrency 16
+    --num-prompts 16 --max-concurrency 16 --ignore-eos \
+    --save-result --save-detailed --result-dir "$RESULTS" \
+    --result-filename wave-1.json
+python3 benchmarks/check_waves.py --output-len 256 "$RESULTS/wave-1.json"
+curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { cat "$LOG"; echo "server down after the wave"; exit 1; }

@@ -16,7 +16,6 @@ checked statically against the released sources instead
 import getpass
 import importlib
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -37,7 +36,7 @@ STEP = BENCHMARKS / "fused_all_reduce_step.py"
 REFERENCE = BENCHMARKS / "fused_all_reduce_reference.py"
 PROG = "check_fused_all_reduce"
 # Small shapes keep a CPU run short; the sweep and its checks are the same.
-SMALL = ["--dtypes", "bf16,fp16", "--hidden-sizes", "256"]
+SMALL = ["--dtypes", "bf16", "fp16", "--hidden-sizes", "256"]
 ONE_SHAPE = ["--dtypes", "bf16", "--hidden-sizes", "256"]
 RUN_TIMEOUT = 420
 
@@ -75,12 +74,12 @@ def run_env(tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
 
 
 def harness(
-    env: dict[str, str], *args: str, timeout: float = RUN_TIMEOUT
+    env: dict[str, str], *args: str, timeout: float = RUN_TIMEOUT, script: Path = SCRIPT
 ) -> subprocess.CompletedProcess[str]:
     """Run the harness in a session of its own; kill it all on `timeout`."""
     try:
         return tree_imports.run_in_session(
-            [sys.executable, str(SCRIPT), *args], timeout=timeout, env=env
+            [sys.executable, str(script), *args], timeout=timeout, env=env
         )
     finally:
         assert_nothing_left(Path(env["TMPDIR"]))
@@ -123,7 +122,7 @@ def test_cpu_run_passes_and_reports_what_ran(run_env: dict[str, str]) -> None:
     assert result["verdict"] == "PASS", result
     # HiSparse on and auto on one node: this build's decision is trtllm.
     assert result["backends"] == ["trtllm"]
-    assert result["hisparse"] is True
+    assert any("HiSparse is on" in line for line in result["startup_lines"])
     from importlib.metadata import version
 
     assert result["flashinfer"]["release"] == version("flashinfer-python")
@@ -137,8 +136,11 @@ def test_cpu_run_passes_and_reports_what_ran(run_env: dict[str, str]) -> None:
     ]
     assert {row["tokens"] for row in result["latency"]} == set(tokens)
     row = result["latency"][0]
-    assert {"step_p50_us", "step_p99_us", "fused_calls_per_second"} <= row.keys()
-    assert result["layers"] == 2 and result["input_sets"] == 4
+    assert {"step_p50_us", "fused_call_p50_us", "fused_call_p99_us"} <= row.keys()
+    assert result["layers"] == 2 and result["input_sets"] == 5
+    # The step's launches; no host traffic on CPU.
+    assert [n[1] for n in result["step_nodes"]] == ["gemm", "fused"] * 4
+    assert result["in_flight"] == {str(c): [] for c in range(4)}
     assert result["known_issues"] == []
     # The start-up line of this build's decision and the workspace's.
     assert any(
@@ -146,7 +148,7 @@ def test_cpu_run_passes_and_reports_what_ran(run_env: dict[str, str]) -> None:
         for line in (result["startup_lines"])
     ), result["startup_lines"]
     assert "FlashInfer all-reduce backend for ranks" in stderr
-    assert "iterations per rank" in stderr  # the progress line
+    assert "replays per rank" in stderr  # the progress line
 
 
 def test_self_test_catches_each_fault_on_its_rank(run_env: dict[str, str]) -> None:
@@ -192,8 +194,6 @@ def test_a_rank_killed_without_a_word_is_a_fault(run_env: dict[str, str]) -> Non
         "kill:1:2",
         "--seconds",
         "30",
-        "--stall-seconds",
-        "60",
         *ONE_SHAPE,
     )
     assert code == 1
@@ -203,19 +203,6 @@ def test_a_rank_killed_without_a_word_is_a_fault(run_env: dict[str, str]) -> Non
     assert "SIGKILL" in fault["error"]
     # Found at once, not when the survivor's wait runs out.
     assert result["elapsed"] < 60
-
-
-def test_an_output_never_written_is_a_fail(run_env: dict[str, str]) -> None:
-    """The op's norm_out comes poisoned: a kernel that stops writing it
-    leaves NaN, not last replay's (or another set's) good numbers."""
-    code, result, _ = run_json(
-        run_env, "--inject", "stale:1:2", "--seconds", "2", *ONE_SHAPE
-    )
-    assert code == 1 and not result["faults"]
-    details = result["mismatch_details"]
-    assert details and {m["rank"] for m in details} == {1}
-    assert {m["output"] for m in details} == {"normed"}
-    assert math.isnan(details[0]["got"])
 
 
 def test_the_fp16_overflow_is_its_own_finding(run_env: dict[str, str]) -> None:
@@ -239,7 +226,6 @@ def test_the_fp16_overflow_is_its_own_finding(run_env: dict[str, str]) -> None:
     assert issue["name"] == "mnnvl fp16 RMSNorm overflow"
     assert issue["fixed_in"] == "0.7.4" and issue["zeroed_tokens"] > 0
     assert any("known issue" in r and "0.7.4" in r for r in result["reasons"])
-    assert "KNOWN ISSUE" in stderr
 
 
 def test_a_call_that_fell_back_to_nccl_is_a_fail(run_env: dict[str, str]) -> None:
@@ -263,14 +249,10 @@ def test_a_call_that_fell_back_to_nccl_is_a_fail(run_env: dict[str, str]) -> Non
             "VLLM_FLASHINFER_ALLREDUCE_BACKEND",
         ),
         (["-tp", "2"], {}, "needs 2 GPUs"),
-        (["-tp", "3", "--device", "cpu"], {}, "no FlashInfer all-reduce size for TP 3"),
-        (
-            ["-tp", "2", "--device", "cpu"],
-            {"no_all_reduce": "1"},
-            "no fused all-reduce",
-        ),
+        (["-tp", "2", "--device", "cpu", "--max-tokens", "0"], {}, "--max-tokens"),
+        (["-tp", "2", "--device", "cpu"], {"copy": "1"}, "lacks"),
     ],
-    ids=["tp1", "unknown-backend", "no-gpu", "tp3", "flashinfer-without-all-reduce"],
+    ids=["tp1", "unknown-backend", "no-gpu", "no-tokens", "cpu-without-emulation"],
 )
 def test_bad_input_is_one_line_and_exit_2_with_nothing_started(
     run_env: dict[str, str],
@@ -279,15 +261,14 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_started(
     env: dict[str, str],
     says: str,
 ) -> None:
-    env = dict(env)
-    if env.pop("no_all_reduce", None):
-        # A FlashInfer whose flashinfer.comm lacks the all-reduce.
-        fake = tmp_path / "fake-flashinfer"
-        (fake / "flashinfer" / "comm").mkdir(parents=True)
-        (fake / "flashinfer" / "__init__.py").write_text("")
-        (fake / "flashinfer" / "comm" / "__init__.py").write_text("")
-        run_env["PYTHONPATH"] = os.pathsep.join([str(fake), run_env["PYTHONPATH"]])
-    proc = harness({**run_env, **env}, *args, timeout=120)
+    env, script = dict(env), SCRIPT
+    if env.pop("copy", None):
+        # The scripts alone, without the tests' emulated kernels.
+        (tmp_path / "benchmarks").mkdir()
+        for path in BENCHMARKS.glob("*.py"):
+            shutil.copy(path, tmp_path / "benchmarks")
+        script = tmp_path / "benchmarks" / SCRIPT.name
+    proc = harness({**run_env, **env}, *args, timeout=120, script=script)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
@@ -324,14 +305,15 @@ def _launcher(launcher_module: ModuleType, steps: list[int], phase: int = 2) -> 
         for _ in steps
     ]
     for state, step in zip(launcher.ranks, steps, strict=True):
-        state.step, state.phase, state.changed = step, phase, 0.0
+        state.step, state.changed = step, 0.0
+        state.progress = {**state.progress, "phase": phase}
     return launcher
 
 
 def test_a_stall_blames_the_rank_behind(launcher_module: ModuleType) -> None:
     launcher = _launcher(launcher_module, [7, 6, 7, 7])
     launcher.check_stall(now=10.0)
-    assert not launcher.faults  # not yet past --stall-seconds
+    assert not launcher.faults  # not yet past the stall limit
     launcher.check_stall(now=31.0)
     assert launcher.faults[0]["ranks"] == [1]
     assert launcher.faults[0]["kind"] == "stalled"
@@ -354,7 +336,7 @@ def test_start_up_has_its_own_limit(launcher_module: ModuleType) -> None:
 def test_fp16_inputs_go_past_256(step_module: ModuleType) -> None:
     import torch
 
-    partial, residual = step_module.make_inputs(0, 16, 64, torch.float16, 0)
+    partial, residual = step_module.input_sets(0, 16, 64, torch.float16, 0, 2)
     assert residual.abs().max() > 256 and partial.abs().max() > 256
     assert torch.isfinite(residual).all() and torch.isfinite(partial).all()
 
@@ -367,7 +349,6 @@ def test_the_sweep_straddles_the_pdl_edge_and_reaches_the_top(
 
 
 def test_self_test_wants_the_right_rank(launcher_module: ModuleType) -> None:
-    fault = launcher_module.InjectedFault("die", "a rank that dies", 0)
     result = {
         "verdict": "FAIL",
         "mismatch_details": [],
@@ -375,9 +356,9 @@ def test_self_test_wants_the_right_rank(launcher_module: ModuleType) -> None:
             {"ranks": [1], "kind": "error", "error": "unspecified launch failure"}
         ],
     }
-    assert launcher_module.caught(fault, result) is None
+    assert launcher_module.caught("die", 0, result) is None
     result["faults"][0]["ranks"] = [0]
-    assert launcher_module.caught(fault, result)
+    assert launcher_module.caught("die", 0, result)
 
 
 class _Unreaped(_Proc):

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The fused all-reduce check's arithmetic, against the kernels' own.
 
-benchmarks/fused_all_reduce_reference.py emulates the released trtllm and
+tests/benchmarks/fused_all_reduce_cpu.py emulates the released trtllm and
 mnnvl kernels from their headers; the check must accept those emulations at
 every shape and dtype it sweeps, reject one wrong value just past its
 allowance, and tell 0.7.2.post1's fp16 one-shot overflow apart from a
@@ -34,14 +34,15 @@ def _load(name: str) -> ModuleType:
 
 ref = _load("fused_all_reduce_reference")
 step = _load("fused_all_reduce_step")
+cpu = _load("fused_all_reduce_cpu")
 
 
 def _case(tp: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0):
     """The ranks' partials, the residual, gamma, and the check's reference
     with its allowances, as a Step builds them."""
-    inputs = [step.make_inputs(r, tokens, hidden, dtype, seed) for r in range(tp)]
-    partials = [p for p, _ in inputs]
-    residual = inputs[0][1]
+    inputs = [step.input_sets(r, tokens, hidden, dtype, seed, 1) for r in range(tp)]
+    partials = [p[0] for p, _ in inputs]
+    residual = inputs[0][1][0]
     gamma = (
         1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(seed))
     ).to(dtype)
@@ -49,15 +50,16 @@ def _case(tp: int, tokens: int, hidden: int, dtype: torch.dtype, seed: int = 0):
     for partial in reversed(partials[:-1]):
         reduced32 = reduced32 + partial.float()
     magnitude = sum(p.float().abs() for p in partials)
-    want = ref.reference_from_sum(reduced32, residual, gamma, EPS, magnitude, tp)
-    want["allow_normed"], want["allow_residual"] = ref.allowances(want, gamma)
+    want = ref.reference(reduced32, residual, gamma, EPS)
+    near_tie = ref.near_ties(reduced32, magnitude, tp, dtype)
+    want["allow_normed"], want["allow_residual"] = ref.allowances(want, near_tie, gamma)
     return partials, residual, gamma, want
 
 
 def _emulate(name: str, partials, residual, gamma):
     if name == "trtllm":
-        return ref.emulate_trtllm(partials, residual, gamma, EPS)
-    return ref.emulate_mnnvl(partials, residual, gamma, EPS, release=name.split()[1])
+        return cpu.emulate_trtllm(partials, residual, gamma, EPS)
+    return cpu.emulate_mnnvl(partials, residual, gamma, EPS, release=name.split()[1])
 
 
 def _stats(normed, summed, want, known_overflow: bool) -> dict[str, list[float]]:
@@ -98,14 +100,14 @@ def test_the_unrounded_reference_would_reject_a_correct_kernel() -> None:
     token 10, where a +300 residual cancels a large reduced sum: the check
     must round as the kernels do to accept it."""
     partials, residual, gamma, want = _case(2, 11, 7168, torch.bfloat16)
-    _, summed = ref.emulate_trtllm(partials, residual, gamma, EPS)
+    _, summed = cpu.emulate_trtllm(partials, residual, gamma, EPS)
     unrounded = sum(p.float() for p in partials) + residual.float()
     error = (summed.float() - unrounded).abs()
     old_allowance = 2**-6 + 2**-6 * unrounded.abs()
     assert bool((error[10] > old_allowance[10]).any())
     assert error[10].max() > 1
     assert (
-        _stats(*ref.emulate_trtllm(partials, residual, gamma, EPS), want, False)[
+        _stats(*cpu.emulate_trtllm(partials, residual, gamma, EPS), want, False)[
             "residual"
         ][0]
         == 0
@@ -133,12 +135,12 @@ def test_one_value_off_by_a_few_units_is_rejected(
     outputs = dict(
         zip(
             ("normed", "residual"),
-            ref.emulate_trtllm(partials, residual, gamma, EPS),
+            cpu.emulate_trtllm(partials, residual, gamma, EPS),
             strict=True,
         )
     )
     for token, column in ((1, 7), (10, 3)):  # an ordinary token, a cancelling one
-        assert not bool(want["near_tie"][token, column])
+        assert not bool(want["allow_residual"][token, column])
         wrong = {k: v.clone() for k, v in outputs.items()}
         value = wrong[output][token, column].clone()
         wrong[output][token, column] = _step_away(value, steps)
@@ -153,7 +155,7 @@ def test_one_value_off_by_a_few_units_is_rejected(
 
 def test_the_fp16_overflow_is_counted_apart_from_mismatches() -> None:
     partials, residual, gamma, want = _case(2, 16, 7168, torch.float16)
-    normed, summed = ref.emulate_mnnvl(
+    normed, summed = cpu.emulate_mnnvl(
         partials, residual, gamma, EPS, release="0.7.2.post1"
     )
     past = int((summed.float().abs().amax(-1) > ref.FP16_SQUARE_LIMIT).sum())
@@ -164,7 +166,7 @@ def test_the_fp16_overflow_is_counted_apart_from_mismatches() -> None:
     as_mismatch = _stats(normed, summed, want, False)
     assert as_mismatch["normed"][1] == past and as_mismatch["normed"][6] == 0
     # 0.7.4 squares in fp32: nothing zeroed.
-    fixed = ref.emulate_mnnvl(partials, residual, gamma, EPS, release="0.7.4")
+    fixed = cpu.emulate_mnnvl(partials, residual, gamma, EPS, release="0.7.4")
     assert _stats(*fixed, want, True)["normed"][6] == 0
     # A token zeroed where no value passed 255.94 is a mismatch, not the issue.
     small = normed.clone()
@@ -179,15 +181,15 @@ def test_another_input_sets_outputs_are_rejected() -> None:
     """A stale slot (last replay's outputs, of another input set) fails."""
     _, _, _, want = _case(2, 8, 6144, torch.bfloat16, seed=1)
     partials, residual, gamma, _ = _case(2, 8, 6144, torch.bfloat16, seed=2)
-    stale = ref.emulate_trtllm(partials, residual, gamma, EPS)
+    stale = cpu.emulate_trtllm(partials, residual, gamma, EPS)
     stats = _stats(*stale, want, False)
     assert stats["normed"][1] == 8 and stats["residual"][1] == 8
 
 
 def test_an_unwritten_output_fails() -> None:
-    """The op's norm_out comes NaN; NaN is never within tolerance."""
+    """Between replays the rank fills each normed output with NaN; NaN is
+    never within tolerance."""
     partials, residual, gamma, want = _case(2, 4, 6144, torch.bfloat16)
-    _, summed = ref.emulate_trtllm(partials, residual, gamma, EPS)
-    poisoned = step.PoisonedTorch().empty_like(summed)
-    assert bool(poisoned.isnan().all())
+    _, summed = cpu.emulate_trtllm(partials, residual, gamma, EPS)
+    poisoned = torch.full_like(summed, float("nan"))
     assert _stats(poisoned, summed, want, False)["normed"][0] == poisoned.numel()

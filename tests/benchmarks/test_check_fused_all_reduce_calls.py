@@ -1,19 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The GPU path of benchmarks/check_fused_all_reduce.py, checked statically.
+"""The GPU path of benchmarks/check_fused_all_reduce.py, checked on CPU.
 
-No GPU here can run fused_all_reduce_gpu.py, nor the FlashInfer calls vLLM's
-op makes for it. So every FlashInfer name and keyword that path uses is
-found by reading the code (ast): our GPU, rank and step modules, and the
-vLLM code the op reaches, and checked against the released sources of
-flashinfer-python 0.7.2.post1 and 0.7.4, read from the wheels; a call added
-to that code is checked too. The vLLM names our modules call are checked
-against the installed vllm, and HiSparse's gather, its row size and its
-call against the vllm 0.33.0 release wheel (the base wheel).
+No GPU here can run fused_all_reduce_gpu.py. So the tensors it hands a
+released CUDA op are built by a plain function, `gather_tensors`, and
+checked here against that op's contract as the installed release states it:
+for vLLM's compiled `hisparse_gather_compact`, the error strings its library
+throws. Every FlashInfer name and keyword the GPU path reaches (our modules
+and the vLLM code the op runs) is checked against the released sources of
+flashinfer-python 0.7.2.post1 and 0.7.4, and every vLLM name our modules
+call against the installed vllm.
 """
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import sys
 import zipfile
@@ -21,10 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import tree_imports
-
-from tools import fetch
-from tools.pins import load_pins
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO_ROOT / "benchmarks"
@@ -32,18 +31,149 @@ RANK = BENCHMARKS / "fused_all_reduce_rank.py"
 GPU = BENCHMARKS / "fused_all_reduce_gpu.py"
 STEP = BENCHMARKS / "fused_all_reduce_step.py"
 OUR_GPU_PATH = (GPU, RANK, STEP)
-# HiSparse's gather as vLLM 0.33.0 registers it (in its _C_stable_libtorch
-# library) and calls it (vllm/v1/hisparse/runtime.py, `_swap_rows`).
-GATHER_OP = "hisparse_gather_compact"
+FLASHINFER_RELEASES = ("0.7.2.post1", "0.7.4")
+
+# HiSparse's gather as vLLM 0.33.0 registers it in its stable-ABI library.
+GATHER_LIBRARY = "_C_stable_libtorch.abi3.so"
 GATHER_SCHEMA = (
     b"hisparse_gather_compact(Tensor host_cache, Tensor! hot_cache, "
     b"Tensor miss_global_indices, Tensor miss_hot_indices, Tensor miss_counts) -> ()"
 )
-GATHER_LIBRARY = "vllm/_C_stable_libtorch.abi3.so"
-HISPARSE_RUNTIME = "vllm/v1/hisparse/runtime.py"
-FLASHINFER_RELEASES = ("0.7.2.post1", "0.7.4")
+# Where the row-matrix checks name the host pool (`check_2d_rows`, called
+# with "host_cache").
+HOST_ROW_CHECKS = (b" must be 2D", b" must be contiguous", b" row width mismatch")
 
-# The GPU path, checked statically -----------------------------------------
+
+def _installed_vllm() -> Path:
+    """Where the installed vllm is: its files, compiled libraries and all,
+    are under vllm/ here."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    return Path(spec.origin).parent.parent
+
+
+def _calls_of(tree: ast.AST, attribute: str) -> list[ast.Call]:
+    """The calls of `x.attribute(...)` or `attribute(...)` in `tree`."""
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and attribute
+        in (getattr(node.func, "attr", None), getattr(node.func, "id", None))
+    ]
+
+
+def _load(path: Path):  # type: ignore[no-untyped-def]
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(path.stem)
+
+
+def gather_contract(args: tuple[torch.Tensor, ...], gpu: torch.device) -> list:
+    """`hisparse_gather_compact`'s checks as (error string, holds), in the
+    order vllm 0.33.0 makes them: the strings its function throws (read
+    from the library's code for that function), then `check_2d_rows` on the
+    host pool. `gpu` is the device the GPU code passes."""
+    host, hot, host_rows, hot_rows, counts = args
+    plan = (host_rows, hot_rows, counts)
+    hot_row_bytes = hot.shape[-1] * hot.element_size()
+    return [
+        ("hot_cache must be on CUDA", hot.device == gpu),
+        ("host_cache must be pinned CPU memory", host.device.type == "cpu"),
+        (
+            "compact miss plan must be matching contiguous int32 CUDA tensors",
+            all(t.dtype == torch.int32 and t.is_contiguous() for t in plan)
+            and all(t.device == gpu for t in plan)
+            and host_rows.dim() == 2
+            and host_rows.shape == hot_rows.shape
+            and counts.shape == host_rows.shape[:1],
+        ),
+        ("KV rows must be 16-byte aligned", hot_row_bytes % 16 == 0),
+        ("hot_cache must be [num_blocks, block_size, row_width]", hot.dim() == 3),
+        (
+            "hot-cache rows must be contiguous",
+            hot.stride(-1) == 1 and hot.stride(-2) == hot.shape[-1],
+        ),
+        ("host_cache must be 2D", host.dim() == 2),
+        ("host_cache must be contiguous", host.is_contiguous()),
+        (
+            "host_cache row width mismatch",
+            host.shape[-1] * host.element_size() == hot_row_bytes,
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def gather_library() -> bytes:
+    return (_installed_vllm() / "vllm" / GATHER_LIBRARY).read_bytes()
+
+
+def test_the_gather_contract_is_the_installed_releases(gather_library: bytes) -> None:
+    """The schema our call follows and every check `gather_contract`
+    encodes are in the installed library: a release that changes them
+    fails here, to be read again."""
+    start = gather_library.find(b"hisparse_gather_compact(Tensor")
+    end = gather_library.find(b"-> ()", start) + len(b"-> ()")
+    # The library keeps the schema with its source's line breaks and indents.
+    assert start >= 0 and b" ".join(gather_library[start:end].split()) == GATHER_SCHEMA
+    tensors = _load(GPU).gather_tensors(8, 8, torch.device("cpu"), pin=False)
+    for message, _ in gather_contract(tensors, torch.device("cpu")):
+        if message.startswith("host_cache ") and message.endswith(
+            tuple(c.decode() for c in HOST_ROW_CHECKS)
+        ):
+            message = message.removeprefix("host_cache")
+        assert message.encode() + b"\0" in gather_library, message
+
+
+def test_the_gather_tensors_meet_the_contract() -> None:
+    """As the GPU code builds them, on the rank's device (meta stands in
+    for its GPU), for the default 2048 rows and a pool of 256 MiB."""
+    gpu = _load(GPU)
+    meta = torch.device("meta")
+    args = gpu.gather_tensors(256 * 1024 * 1024 // 656, 2048, meta, pin=False)
+    failed = [message for message, holds in gather_contract(args, meta) if not holds]
+    assert not failed, failed
+    host, hot = args[:2]
+    assert hot.shape[1:] == (gpu.BLOCK_SIZE, 656) and host.dtype == hot.dtype
+    # The host pool is pinned where the GPU code builds it.
+    calls = [
+        node
+        for node in ast.walk(ast.parse(GPU.read_text()))
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", "") == "gather_tensors"
+    ]
+    assert calls and all(
+        any(
+            k.arg == "pin" and getattr(k.value, "value", None) is True
+            for k in c.keywords
+        )
+        for c in calls
+    )
+
+
+def test_a_2d_hot_cache_breaks_the_contract() -> None:
+    """The check can fail: a hot cache of (rows, 656), as this check once
+    built it, is what the release refuses."""
+    cpu = torch.device("cpu")
+    host, _, *plan = _load(GPU).gather_tensors(64, 64, cpu, pin=False)
+    flat = torch.empty((64, 656), dtype=torch.uint8)
+    failed = [m for m, holds in gather_contract((host, flat, *plan), cpu) if not holds]
+    assert failed == ["hot_cache must be [num_blocks, block_size, row_width]"]
+
+
+def test_vllms_runtime_calls_the_gather_as_we_do() -> None:
+    """vLLM's own call of the op (`_swap_rows`) passes the five tensors
+    positionally, the hot cache from `PagedCacheView.bind`, as ours does."""
+    runtime = ast.parse((_installed_vllm() / "vllm/v1/hisparse/runtime.py").read_text())
+    (upstream,) = _calls_of(runtime, "hisparse_gather_compact")
+    assert len(upstream.args) == GATHER_SCHEMA.count(b"Tensor")
+    assert [a.attr for a in upstream.args[:2]] == ["host_cache", "cache"]  # hot.cache
+    (ours,) = _calls_of(ast.parse(GPU.read_text()), "hisparse_gather_compact")
+    assert isinstance(ours.args[0], ast.Starred)  # the five of gather_tensors
+    assert _calls_of(runtime, "as_strided"), "vLLM's hot cache is not a view now"
+
+
+# FlashInfer and vLLM names, against the releases ---------------------------
 
 # What vLLM's op reaches on its way to FlashInfer: (file, functions, where);
 # None means the whole file. "installed" files are read from the installed
@@ -69,21 +199,6 @@ WORKSPACE_CLASSES = (
     ("flashinfer.comm.trtllm_mnnvl_ar", "MNNVLAllReduceFusionWorkspace"),
 )
 WORKSPACE_BASE = ("flashinfer.comm.workspace_base", "AllReduceFusionWorkspace")
-
-
-def _installed_vllm() -> Path:
-    import vllm
-
-    return Path(vllm.__file__).parent.parent
-
-
-def _chain(expr: ast.expr) -> list[str] | None:
-    """``a.b.c`` -> ["a", "b", "c"]; None for anything but names and attributes."""
-    parts = []
-    while isinstance(expr, ast.Attribute):
-        parts.append(expr.attr)
-        expr = expr.value
-    return [expr.id, *reversed(parts)] if isinstance(expr, ast.Name) else None
 
 
 def _chain_sources() -> list[tuple[str, ast.AST]]:
@@ -409,6 +524,15 @@ def test_a_drifted_flashinfer_call_is_caught(
     assert len(problems) == 4, problems
 
 
+def _chain(node: ast.AST) -> list[str]:
+    """`a.b.c` as ["a", "b", "c"]; [] for anything but names and attributes."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else []
+
+
 def _vllm_uses() -> Iterator[tuple[str, str, tuple[str, ...]]]:
     """(module, name, keywords) for each vLLM name our GPU-path modules
     import and call."""
@@ -467,70 +591,12 @@ def test_the_platform_methods_the_gpu_module_calls_exist_on_cuda() -> None:
         and isinstance(node.func.value, ast.Name)
         and node.func.value.id == "current_platform"
     }
-    assert called >= {"get_device_name", "is_fully_connected"}
+    assert called >= {"get_device_name", "get_device_capability"}
     defined = set()
     for rel in ("vllm/platforms/cuda.py", "vllm/platforms/interface.py"):
         source = ast.parse((_installed_vllm() / rel).read_text())
         defined |= {n.name for n in ast.walk(source) if isinstance(n, ast.FunctionDef)}
     assert called <= defined, called - defined
-
-
-# HiSparse's gather and the capture mode, against the release ------------
-
-
-@pytest.fixture(scope="module")
-def base_wheel() -> zipfile.ZipFile:
-    """The vllm 0.33.0 release wheel this build is made from."""
-    return zipfile.ZipFile(fetch.fetch_base_wheel(load_pins()))
-
-
-def _calls_of(tree: ast.AST, attribute: str) -> list[ast.Call]:
-    return [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == attribute
-    ]
-
-
-def test_the_gather_is_called_as_the_release_registers_and_calls_it(
-    base_wheel: zipfile.ZipFile,
-) -> None:
-    """Our gather passes the five arguments of the release's schema, as its
-    runtime does, on the release's row size."""
-    names = set(base_wheel.namelist())
-    assert GATHER_LIBRARY in names and HISPARSE_RUNTIME in names
-    with base_wheel.open(GATHER_LIBRARY) as library:
-        data = library.read()
-    start = data.find(GATHER_OP.encode() + b"(Tensor")
-    end = data.find(b"-> ()", start) + len(b"-> ()")
-    # The library keeps the schema with its source's line breaks and indents.
-    assert start >= 0 and b" ".join(data[start:end].split()) == GATHER_SCHEMA
-    runtime = ast.parse(base_wheel.read(HISPARSE_RUNTIME))
-    upstream = _calls_of(runtime, GATHER_OP)
-    ours = _calls_of(ast.parse(GPU.read_text()), GATHER_OP)
-    assert upstream and ours
-    schema_arity = GATHER_SCHEMA.count(b"Tensor")
-    for call in upstream + ours:
-        assert len(call.args) == schema_arity and not call.keywords
-    rows = [
-        node.value.value
-        for node in runtime.body
-        if isinstance(node, ast.Assign)
-        and any(getattr(t, "id", None) == "FP8_DS_MLA_ROW_BYTES" for t in node.targets)
-        and isinstance(node.value, ast.Constant)
-    ]
-    assert rows == [656]
-    # The stream handoffs our fork and join copy.
-    assert _calls_of(runtime, "wait_stream") and _calls_of(runtime, "wait_event")
-
-
-def test_a_changed_gather_call_is_caught() -> None:
-    """The arity check can fail: a call with a sixth argument."""
-    call = ast.parse("torch.ops._C_cache_ops.hisparse_gather_compact(a, b, c, d, e, f)")
-    (found,) = _calls_of(call, GATHER_OP)
-    assert len(found.args) != GATHER_SCHEMA.count(b"Tensor")
 
 
 def test_the_capture_mode_exists_in_torch() -> None:

@@ -17,15 +17,15 @@ To mimic the HiSparse + MNNVL all-reduce crash, the server can treat a request
   The client counts this request as *successful*; this is the bug's disguise.
 * `http500`: answer HTTP 500 at once, as a server with a dead engine does.
 * `drop`: after N tokens close the connection mid-stream, as when the server
-  process dies; `/health` then answers 503.
+  process dies.
 
-Files written next to this script:
+Files written next to this script, each one wave of `vllm bench serve
+--save-result --save-detailed --ignore-eos` with 1024 output tokens asked:
 
-* `wave_clean.json`, `wave_short.json`: made through `check_waves.py` run
-  mode (one wave each), so they carry its `--metadata` expected length; in the
-  short one, request 2 is cut after 37 of 1024 tokens.
-* `wave_failed.json`: plain `vllm bench serve --save-detailed`: request 1
-  cut at 37 tokens, request 2 HTTP 500, request 3 dropped at 37 tokens.
+* `wave_clean.json`: every request complete.
+* `wave_short.json`: request 2 cut after 37 tokens.
+* `wave_failed.json`: request 1 cut at 37 tokens, request 2 HTTP 500,
+  request 3 dropped at 37 tokens.
 * `wave_not_detailed.json`: a clean wave saved without `--save-detailed`.
 
 Run from anywhere with the Python that has vllm installed (about a minute)::
@@ -36,7 +36,6 @@ Run from anywhere with the Python that has vllm installed (about a minute)::
 import asyncio
 import itertools
 import json
-import shlex
 import shutil
 import string
 import sys
@@ -51,7 +50,6 @@ from transformers import PreTrainedTokenizerFast
 
 DATA_DIR = Path(__file__).resolve().parent
 REPO_ROOT = DATA_DIR.parents[2]
-CHECKER = REPO_ROOT / "benchmarks" / "check_waves.py"
 MODEL = "tiny-fake"
 TOKENIZER = "tiny-tokenizer"
 TOKENS_PER_EVENT = 16
@@ -89,7 +87,6 @@ ENGINE_DEAD_EVENT = {
 
 # Request index -> (action, tokens before it); the server's one mutable state.
 PLAN_KEY = web.AppKey[dict[int, tuple[str, int]]]("plan")
-DEAD_KEY = web.AppKey[list[bool]]("dead")
 
 
 def build_tokenizer(path: Path) -> None:
@@ -153,7 +150,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(0.002)
         await response.write(_event(_chunk(request_id, text, finish)))
     if action == "drop":
-        request.app[DEAD_KEY].append(True)
         assert request.transport is not None
         request.transport.close()
         return response
@@ -171,11 +167,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
-
-
-async def health(request: web.Request) -> web.Response:
-    """503 once the fake engine has 'died', like vLLM's /health."""
-    return web.Response(status=503 if request.app[DEAD_KEY] else 200)
 
 
 async def models_list(request: web.Request) -> web.Response:
@@ -196,9 +187,7 @@ async def main() -> None:
     """Start the server, make each fixture, copy it next to this script."""
     app = web.Application()
     app[PLAN_KEY] = {}
-    app[DEAD_KEY] = []
     app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models_list)
     runner = web.AppRunner(app)
     await runner.setup()
@@ -206,46 +195,30 @@ async def main() -> None:
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     bench = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
-    target = ["--port", str(port), *BENCH_ARGS]
+    bench += ["--port", str(port), *BENCH_ARGS]
     try:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             build_tokenizer(work / TOKENIZER)
-            plan = app[PLAN_KEY]
-            for name, actions in (
-                ("clean", {}),
-                ("short", {2: ("cut", CUT_AT)}),
+            saved = ["--save-result", "--result-dir", str(work)]
+            detailed = [*saved, "--save-detailed", "--ignore-eos"]
+            for name, actions, out in (
+                ("clean", {}, detailed),
+                ("short", {2: ("cut", CUT_AT)}, detailed),
+                ("not_detailed", {}, saved),
+                (
+                    "failed",
+                    {1: ("cut", CUT_AT), 2: ("http500", 0), 3: ("drop", CUT_AT)},
+                    detailed,
+                ),
             ):
-                plan.clear()
-                plan.update(actions)
+                app[PLAN_KEY].clear()
+                app[PLAN_KEY].update(actions)
                 rc = await run(
-                    [
-                        sys.executable,
-                        str(CHECKER),
-                        "--waves",
-                        "1",
-                        "--result-dir",
-                        str(work / name),
-                        "--bench-cmd",
-                        shlex.join(bench),
-                        "--",
-                        *target,
-                    ],
-                    work,
+                    [*bench, *out, "--result-filename", f"{name}.json"], work
                 )
-                print(f"check_waves exit status for {name}: {rc}")
-                shutil.copy(
-                    work / name / "wave-001.json", DATA_DIR / f"wave_{name}.json"
-                )
-            plan.clear()
-            out = ["--save-result", "--result-dir", str(work)]
-            await run([*bench, *target, *out, "--result-filename", "nd.json"], work)
-            shutil.copy(work / "nd.json", DATA_DIR / "wave_not_detailed.json")
-            plan.update({1: ("cut", CUT_AT), 2: ("http500", 0), 3: ("drop", CUT_AT)})
-            out = [*out, "--save-detailed", "--ignore-eos"]
-            rc = await run([*bench, *target, *out, "--result-filename", "f.json"], work)
-            print(f"vllm bench serve exit status for the failed wave: {rc}")
-            shutil.copy(work / "f.json", DATA_DIR / "wave_failed.json")
+                print(f"vllm bench serve exit status for {name}: {rc}")
+                shutil.copy(work / f"{name}.json", DATA_DIR / f"wave_{name}.json")
     finally:
         await runner.cleanup()
 
