@@ -7,8 +7,8 @@
 
 First the workers run each module's tests unmutated: they must pass, or
 every mutant would look killed. Then, for each module in
-mutation/cosmic-ray.toml (policy, group, creation, installed, replaced,
-deployment, report): write its session config, create the mutants, skip those outside
+mutation/cosmic-ray.toml (policy, group, creation, replaced, explain):
+write its session config, create the mutants, skip those outside
 the fix and the known equivalent ones (mutation/scope_filter.py), and run
 its tests against every mutant. Prints, per module, the mutants, killed, timed out and
 equivalent ones, and every survivor; exits 1 if any survived. Sessions are
