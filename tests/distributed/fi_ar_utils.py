@@ -606,9 +606,13 @@ class CudaTensorStandIn:
 
 
 def _has_module(name: str) -> bool:
+    """Whether this run's vLLM has `name` (stock vLLM lacks the patch's)."""
     import importlib.util
 
-    return importlib.util.find_spec(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # the overlay finder's answer for stock vLLM
+        return False
 
 
 def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
