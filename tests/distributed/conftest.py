@@ -14,6 +14,8 @@ from fi_ar_utils import (
     ENV,
     MODULE,
     POLICY_MODULE,
+    UNFIXED,
+    UNFIXED_FLASHINFER,
     FakeFlashInferDevice,
     FakeWorkspaceFactory,
     build_config,
@@ -111,6 +113,13 @@ def installed_flashinfer(
     sys.modules.pop("flashinfer_jit_cache", None)
 
 
+@pytest.fixture
+def unfixed_kernels(installed_flashinfer: Callable[..., Path]) -> None:
+    """flashinfer-python 0.7.2.post1 installed: kernels without the fixes of
+    0.7.4, as where an older release is installed over this build."""
+    installed_flashinfer(flashinfer=UNFIXED_FLASHINFER)
+
+
 @pytest.fixture(scope="session")
 def one_node() -> list[dict[str, dict[str, Any]]]:
     """Two ranks, TP=2's shape, also with ranks that see different things.
@@ -122,14 +131,22 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
     return run_group(
         [
             {"name": "auto"},
-            {"name": "hisparse", "hisparse": "connector"},
+            {"name": "hisparse", "hisparse": "connector", **UNFIXED},
+            {"name": "hisparse-fixed", "hisparse": "connector"},
             {"name": "no-multicast", "multicast": False},
-            {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True},
+            {
+                "name": "hisparse-reacquire",
+                "hisparse": "connector",
+                "reacquire": True,
+                **UNFIXED,
+            },
             {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
-            {"name": "fp16", "dtype": "float16"},
+            {"name": "fp16", "dtype": "float16", **UNFIXED},
+            {"name": "fp16-fixed", "dtype": "float16"},
             {
                 "name": "fp16-sm100-row",
                 "dtype": "float16",
+                **UNFIXED,
                 "tuned": [100, 2, 1, 128],
                 "first": "standalone",
             },
@@ -138,11 +155,17 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
                 "tuned": [100, 2, 1, 128],
                 "first": "standalone",
             },
-            {"name": "fp16-explicit-mnnvl", "dtype": "float16", "env": {ENV: "mnnvl"}},
+            {
+                "name": "fp16-explicit-mnnvl",
+                "dtype": "float16",
+                "env": {ENV: "mnnvl"},
+                **UNFIXED,
+            },
             {"name": "mnnvl-fails-on-rank-1", "per_rank": {"1": {"fail": ["mnnvl"]}}},
             {
                 "name": "hisparse-trtllm-fails-on-rank-1",
                 "hisparse": "connector",
+                **UNFIXED,
                 "per_rank": {"1": {"fail": ["trtllm"]}},
             },
         ],

@@ -39,6 +39,10 @@ GROUP_MODULE = f"{MODULE}_group"
 CREATION_MODULE = f"{MODULE}_creation"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 HIDDEN_DIM = 4096
+# A flashinfer-python release without the fixes of 0.7.4, for the cases
+# where its kernels load, and the case key that installs it.
+UNFIXED_FLASHINFER = "0.7.2.post1"
+UNFIXED: dict[str, Any] = {"flashinfer": UNFIXED_FLASHINFER}
 MAX_TOKENS = 128
 # How a rank ends when ranks create workspaces with different arguments,
 # which on GPUs hangs the group (see FakeWorkspaceFactory).
@@ -251,13 +255,11 @@ def reset_log_once() -> None:
 def build_config(hisparse: str = "off"):
     """A real VllmConfig with HiSparse turned on the way `hisparse` says."""
     from vllm.config import (
-        AttentionConfig,
         DeviceConfig,
         KVTransferConfig,
         SchedulerConfig,
         VllmConfig,
     )
-    from vllm.config.attention import HiSparseConfig
 
     hisparse_connector = {
         "kv_connector": "HiSparseConnector",
@@ -278,8 +280,6 @@ def build_config(hisparse: str = "off"):
                 ]
             },
         )
-    elif hisparse == "config":
-        kwargs["attention_config"] = AttentionConfig(hisparse_config=HiSparseConfig())
     elif hisparse != "off":
         raise ValueError(f"unknown HiSparse mode {hisparse!r}")
     # VllmConfig refuses HiSparse on a platform without a HiSparse runtime:
@@ -612,6 +612,9 @@ class CudaTensorStandIn:
     def is_contiguous(self) -> bool:
         return True
 
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
     @property
     def nbytes(self) -> int:
 
@@ -643,8 +646,9 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     ("standalone": the standalone all-reduce's first call creates the
     workspace, before the fusion pass), idle (this rank's group acquires
     nothing) and foreign_workspace (FlashInfer returns a workspace vLLM
-    already tied to the world group); `per_rank` maps a rank to overrides
-    of any of them.
+    already tied to the world group), flashinfer (the flashinfer-python
+    release installed, faked as write_synthetic_flashinfer does; by default
+    the real one); `per_rank` maps a rank to overrides of any of them.
     Each case gets a new gloo group, as a new engine would, so per-group
     state starts cold. The result counts collective rounds and node probes,
     and times the acquisition.
@@ -681,6 +685,10 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     try:
         pin_gpu(patch, case.get("capability", 100))
         device.install(patch)
+        if "flashinfer" in case:
+            site = Path(tempfile.mkdtemp(prefix="fi-ar-site-"))
+            write_synthetic_flashinfer(site, flashinfer=case["flashinfer"])
+            patch.syspath_prepend(str(site))
         patch.setattr(
             fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
         )

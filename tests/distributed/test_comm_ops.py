@@ -24,6 +24,7 @@ import tree_imports
 from fi_ar_utils import (
     CREATION_MODULE,
     ENV,
+    UNFIXED,
     build_config,
     every_rank,
     namespaces_unavailable,
@@ -33,7 +34,9 @@ from fi_ar_utils import (
 
 from vllm.config import set_current_vllm_config
 
-HISPARSE_ON = ("connector", "multiconnector", "config")
+# vLLM 0.34.0 infers `hisparse_config` from the connector and refuses it
+# without one (VllmConfig.__post_init__ in vllm/config/vllm.py).
+HISPARSE_ON = ("connector", "multiconnector")
 
 
 def _info_lines(caplog) -> list[str]:
@@ -58,8 +61,12 @@ def two_nodes() -> list[dict[str, dict[str, Any]]]:
         {"name": "trtllm", "env": {ENV: "trtllm"}},
         {"name": "mnnvl", "env": {ENV: "mnnvl"}, "capability": 90},
     ]
-    cases += [{"name": f"hisparse-{m}", "hisparse": m} for m in HISPARSE_ON]
-    cases += [{"name": "hisparse-reacquire", "hisparse": "config", "reacquire": True}]
+    cases += [{"name": f"hisparse-{m}", "hisparse": m, **UNFIXED} for m in HISPARSE_ON]
+    cases += [{"name": "hisparse-fixed", "hisparse": "connector"}]
+    cases += [
+        {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True}
+        | UNFIXED
+    ]
     return run_group(cases, nnodes=2, ranks_per_node=2)
 
 
@@ -112,6 +119,7 @@ def test_flashinfer_auto_backend_rejects_unknown_setting(fi_ar, cpu_group, monke
         fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
 
 
+@pytest.mark.usefixtures("unfixed_kernels")
 @pytest.mark.parametrize("hisparse", HISPARSE_ON)
 def test_flashinfer_auto_backend_hisparse_single_node_uses_trtllm(
     fi_ar, fake_ws, cpu_group, caplog, hisparse
@@ -131,6 +139,22 @@ def test_flashinfer_auto_backend_hisparse_single_node_uses_trtllm(
         assert needed in line
 
 
+@pytest.mark.parametrize("hisparse", HISPARSE_ON)
+def test_flashinfer_auto_backend_hisparse_single_node_uses_mnnvl_on_fixed_kernels(
+    fi_ar, fake_ws, cpu_group, caplog, hisparse
+):
+    """The default build's kernels have the fix: no override, no warning."""
+    caplog.set_level(logging.INFO)
+    with set_current_vllm_config(build_config(hisparse)):
+        assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("mnnvl", True)
+        ws = fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    assert ws.backend == "mnnvl"
+    assert fake_ws.attempts == ["mnnvl"]
+    [line] = _info_lines(caplog)
+    assert "mnnvl (auto, single node" in line and "HiSparse" not in line
+
+
+@pytest.mark.usefixtures("unfixed_kernels")
 def test_flashinfer_auto_backend_hisparse_logged_once(
     fi_ar, fake_ws, cpu_group, caplog
 ):
@@ -143,6 +167,7 @@ def test_flashinfer_auto_backend_hisparse_logged_once(
     assert len(_info_lines(caplog)) == 1
 
 
+@pytest.mark.usefixtures("unfixed_kernels")
 def test_flashinfer_auto_backend_hisparse_explicit_mnnvl_warns(
     fi_ar, fake_ws, cpu_group, caplog, monkeypatch
 ):
@@ -217,6 +242,7 @@ def test_standalone_workspace_checkpoint_covers_shared_workspace_once(
     assert fake_ws.log.count("checkpoint_restore:mnnvl") == 1
 
 
+@pytest.mark.usefixtures("unfixed_kernels")
 @pytest.mark.parametrize("getter", ["get_fi_ar_workspace", "get_fi_ar_quant_workspace"])
 def test_flashinfer_auto_backend_hisparse_survives_workspace_destroy(
     fi_ar, fake_ws, cpu_group, caplog, getter
@@ -252,7 +278,12 @@ def test_standalone_workspace_shared_with_quant_fusion_quietly(
 
 @pytest.mark.parametrize(
     ("case", "backend"),
-    [("auto", "mnnvl"), ("hisparse", "trtllm"), ("no-multicast", "trtllm")],
+    [
+        ("auto", "mnnvl"),
+        ("hisparse", "trtllm"),
+        ("hisparse-fixed", "mnnvl"),
+        ("no-multicast", "trtllm"),
+    ],
 )
 def test_standalone_workspace_enabled_on_one_node(one_node, case, backend):
     for r in every_rank(one_node, case):
@@ -299,6 +330,14 @@ def test_flashinfer_auto_backend_hisparse_multi_node_is_off(two_nodes, hisparse)
         [line] = [m for m in r["messages"] if "all-reduce backend" in m]
         assert line.startswith("INFO FlashInfer all-reduce backend for ranks")
         assert ": off (auto, HiSparse is on" in line and "flashinfer#7782" in line
+
+
+@requires_namespaces
+def test_flashinfer_auto_backend_hisparse_multi_node_mnnvl_on_fixed_kernels(two_nodes):
+    """Across Blackwell nodes, as stock 0.33.0 did before the bug."""
+    for r in every_rank(two_nodes, "hisparse-fixed"):
+        assert r["workspace"] == r["quant"] == "mnnvl"
+        assert not r["standalone_disabled"]
 
 
 @requires_namespaces

@@ -18,6 +18,7 @@ from fi_ar_utils import (
     FUSION_MAX_SIZE_MB,
     GROUP_MODULE,
     HIDDEN_DIM,
+    UNFIXED,
     every_rank,
     namespaces_unavailable,
     pin_gpu,
@@ -40,6 +41,7 @@ def test_the_gpu_is_read_from_the_platform(fi_ar, monkeypatch):
     assert group.device_capability() is None
 
 
+@pytest.mark.usefixtures("unfixed_kernels")
 def test_without_a_current_config_hisparse_is_unknown_and_safe(
     fi_ar, fake_ws, cpu_group, caplog
 ):
@@ -94,6 +96,14 @@ def test_float16_workspaces_get_trtllm_on_unfixed_kernels(one_node):
             "trtllm (auto, the workspace is float16: using trtllm on a single node"
         )
         assert "mnnvl fp16 RMSNorm overflow" in float16
+
+
+def test_float16_workspaces_get_mnnvl_on_fixed_kernels(one_node):
+    """The default build's kernels square in fp32: fp16 stays on mnnvl."""
+    for r in every_rank(one_node, "fp16-fixed"):
+        assert r["workspace"] == r["quant"] == "mnnvl"
+        [line] = _startup_lines(r)
+        assert "float16" not in line
 
 
 def test_float16_workspace_is_sized_for_trtllm(one_node):
@@ -160,7 +170,11 @@ def uneven_ranks() -> list[dict[str, dict[str, Any]]]:
         [
             {"name": "mnnvl-fails-on-rank-2", "per_rank": {"2": {"fail": ["mnnvl"]}}},
             {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
-            {"name": "hisparse-differs", "per_rank": {"0": {"hisparse": "connector"}}},
+            {
+                "name": "hisparse-differs",
+                "per_rank": {"0": {"hisparse": "connector"}},
+                **UNFIXED,
+            },
         ],
         nnodes=1,
         ranks_per_node=4,
