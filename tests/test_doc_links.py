@@ -56,7 +56,7 @@ def links(path: Path) -> list[str]:
 
 def test_anchors_follow_github() -> None:
     readme = tree_imports.REPO_ROOT / "README.md"
-    assert "flashinfer-074-the-release-with-the-fix" in anchors(readme)
+    assert "what-breaks-on-flashinfer-python-074" in anchors(readme)
     assert "install-and-test-any-machine-no-gpu-needed" in anchors(readme)
 
 

@@ -120,8 +120,8 @@ def _answer(args: argparse.Namespace) -> tuple[list[str], int]:
     if issue is not None:
         lines.append(f"  known issue: {issue.name}: {issue.backend} {issue.effect}")
         lines += [f"  see: {link}" for link in issue.links]
-        fix = f"pip install -C flashinfer={issue.fixed_in} ." if issue.fixed_in else ""
-        lines.append(f"  fix: {fix or 'none released yet'}")
+        fix = f"flashinfer-python {issue.fixed_in}, which this build pins"
+        lines.append(f"  fix: {fix if issue.fixed_in else 'none released yet'}")
     if backend == "mnnvl":
         probes = "multicast" if args.nnodes == 1 else "multicast and an NVLink fabric"
         lines.append(f"  assumed: NVSwitch {probes}, which start-up probes")

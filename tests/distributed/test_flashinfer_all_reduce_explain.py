@@ -15,7 +15,7 @@ from fi_ar_utils import ENV, GROUP_MODULE, workspace_args
 
 MODULE = "vllm.explain_flashinfer_all_reduce"
 OLD, FIXED = "0.7.2.post1", "0.7.4"
-FIX = "  fix: pip install -C flashinfer=0.7.4 ."
+FIX = "  fix: flashinfer-python 0.7.4, which this build pins"
 B200 = ("-tp", "8", "--capability", "10.0")
 
 
