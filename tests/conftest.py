@@ -9,7 +9,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--stock-vllm",
         action="store_true",
         help=(
-            "Run against the pinned vllm 0.33.0 base wheel's original files "
+            "Run against the pinned base wheel's original files "
             "instead of this tree's, to show which tests our change makes pass."
         ),
     )
@@ -17,7 +17,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     # Before any test module imports vLLM, so the replaced modules resolve to
-    # this tree (or to stock 0.33.0); child processes inherit the choice.
+    # this tree (or to the stock base release); child processes inherit the choice.
     source = "stock" if config.getoption("--stock-vllm") else "tree"
     config.stash[overlay_key] = tree_imports.install(source)
 

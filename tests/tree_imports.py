@@ -8,7 +8,7 @@ same meta-path finder as the editable install (tools/finder.py): each
 module under the repo's `vllm/`, replaced or added, comes from its file here;
 the rest of vLLM still comes from the installed wheel.
 
-With source "stock", the replaced modules come from the pinned vllm 0.33.0
+With source "stock", the replaced modules come from the pinned vllm
 base wheel instead, and the modules we add are not importable at all, as in
 upstream, so a test can be shown to fail against upstream.
 """
