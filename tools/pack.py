@@ -134,7 +134,7 @@ def with_version(module: bytes, pins: Pins) -> bytes:
 
     vcs-versioning's version gets ``+label``, its tuple the label as last
     part, the shape vLLM's own local builds have (collect-env reads it):
-    ``(0, 33, 0, "hisparse3.fi074")``.
+    ``(0, 33, 0, "hisparse3")``.
     """
     text = module.decode()
     tuples = _TUPLE_LINE.findall(text)
@@ -143,6 +143,6 @@ def with_version(module: bytes, pins: Pins) -> bytes:
             f"the base wheel's {VERSION_MODULE} changed format.\n"
             "Fix: update with_version in tools/pack.py"
         )
-    new_tuple = (*ast.literal_eval(tuples[0][1]), pins.label)
+    new_tuple = (*ast.literal_eval(tuples[0][1]), pins.local_label)
     text = _VERSION_LINE.sub(lambda m: f"{m.group(1)}{pins.version!r}", text)
     return _TUPLE_LINE.sub(lambda m: f"{m.group(1)}{new_tuple!r}", text).encode()

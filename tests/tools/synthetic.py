@@ -216,13 +216,13 @@ def copy_tools(project: Path, base: Path) -> None:
 def scratch_project(
     tmp_path: Path,
     base: Path,
+    requires: Sequence[str] = (),
     adds: Mapping[str, str] | None = None,
-    pyproject_extra: str = "",
 ) -> Path:
     """A repo copy whose pins trust ``base``, to drive the backend through pip.
 
-    ``adds`` maps the paths of added modules to their contents;
-    ``pyproject_extra`` is TOML appended to its pyproject.toml.
+    ``requires`` are its requirement overrides; ``adds`` maps the paths of
+    added modules to their contents.
     """
     project = tmp_path / "project"
     copy_tools(project, base)
@@ -238,11 +238,12 @@ def scratch_project(
         "[tool.vllm-overlay]\n"
         "base-version = '0.33.0'\n"
         "local-label = 'hisparse1'\n"
+        f"requires = {list(requires)!r}\n"
         f"adds = {sorted(adds or {})!r}\n\n"
         "[tool.vllm-overlay.sha256]\n"
         f"'{base.name}' = '{util.sha256_of(base)}'\n\n"
         "[tool.vllm-overlay.replaces]\n"
-        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n" + pyproject_extra
+        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n"
     )
     return project
 
