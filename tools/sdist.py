@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .check import check_tree
 from .pins import DIST_NAME, REPO_ROOT, Pins, overlay_metadata
-from .util import source_date_epoch
+from .util import replacing, source_date_epoch
 
 
 def sdist_files(root: Path, pins: Pins) -> list[Path]:
@@ -42,5 +42,6 @@ def build_sdist(sdist_directory: Path, pins: Pins, root: Path = REPO_ROOT) -> st
             if rel.name != "PKG-INFO" and (root / rel).stat().st_mode & 0o100:
                 info.mode = 0o755
             tar.addfile(info, io.BytesIO(data))
-    (sdist_directory / f"{top}.tar.gz").write_bytes(raw.getvalue())
+    with replacing(sdist_directory / f"{top}.tar.gz") as part:
+        part.write_bytes(raw.getvalue())
     return f"{top}.tar.gz"

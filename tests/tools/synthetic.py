@@ -21,7 +21,6 @@ from pathlib import Path
 
 import packaging
 import pytest
-import wheel
 
 from tools import check, pack, util
 from tools.pins import BASE_METADATA, LOCATION_ENV, Pins, load_pins
@@ -232,7 +231,7 @@ def scratch_project(
         (project / rel).write_text(text)
     (project / "pyproject.toml").write_text(
         "[build-system]\n"
-        "requires = ['wheel>=0.48.0', 'packaging>=24.0']\n"
+        "requires = ['packaging>=24.0']\n"
         "build-backend = 'tools.buildapi'\n"
         "backend-path = ['.']\n\n"
         "[tool.vllm-overlay]\n"
@@ -318,7 +317,7 @@ def pyproject_text(
     listed = ", ".join(f'"{path}"' for path in adds)
     return (
         "[build-system]\n"
-        "requires = ['wheel>=0.48.0', 'packaging>=24.0']\n"
+        "requires = ['packaging>=24.0']\n"
         "build-backend = 'tools.buildapi'\n"
         "backend-path = ['.']\n\n"
         "[tool.vllm-overlay]\n"
@@ -426,17 +425,16 @@ def scratch_venv(where: Path, with_pip: bool = False) -> Path:
 
     Without ``with_pip`` it has no pip (the outer pip installs into it with
     ``--python``); with it, Python's bundled pip (ensurepip, offline). It has
-    no system site-packages: the backend's own needs are lent to it from the
-    environment under test through a ``.pth`` file, as a build environment
-    would install them, never from the base interpreter, which may lack them.
+    no system site-packages: the backend's own need, packaging, is lent to it
+    from the environment under test through a ``.pth`` file, as a build
+    environment would install it, never from the base interpreter.
     """
     env_dir = where / "venv"
     venv.create(env_dir, with_pip=with_pip)
     python = env_dir / "bin" / "python"
     lent = where / "lent"
     lent.mkdir()
-    for package in (packaging, wheel):
-        (lent / package.__name__).symlink_to(Path(package.__file__).parent)
+    (lent / "packaging").symlink_to(Path(packaging.__file__).parent)
     (site_packages(python) / "_lent.pth").write_text(f"{lent}\n")
     return python
 

@@ -10,6 +10,7 @@ import ast
 import email.parser
 import os
 import sys
+import tracemalloc
 import zipfile
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from synthetic import (
     scratch_project,
     scratch_venv,
 )
+from wheel.wheelfile import WheelFile
 
 from tools import buildapi, check, pack, util
 from tools.pins import LOCATION_ENV, load_pins
@@ -75,14 +77,15 @@ def test_repo_pins_are_the_upstream_release() -> None:
 def test_good_build_overlays_and_relabels(tmp_path: Path, out_dir: Path) -> None:
     base = upstream_like(tmp_path)
     written: list[str] = []
+    real_open = zipfile.ZipFile.open
 
-    class RecordingWheelFile(pack.WheelFile):
-        def writestr(self, zinfo_or_arcname, data, compress_type=None) -> None:
-            written.append(getattr(zinfo_or_arcname, "filename", zinfo_or_arcname))
-            super().writestr(zinfo_or_arcname, data, compress_type)
+    def recording_open(self, name, mode="r", *args, **kwargs):
+        if mode == "w":
+            written.append(getattr(name, "filename", name))
+        return real_open(self, name, mode, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pack, "WheelFile", RecordingWheelFile)
+        mp.setattr(zipfile.ZipFile, "open", recording_open)
         name = pack.build(
             out_dir,
             pins=pins_for(base),
@@ -114,10 +117,65 @@ def test_good_build_overlays_and_relabels(tmp_path: Path, out_dir: Path) -> None
             values[ast.unparse(node.targets[0])] = ast.literal_eval(node.value)
     assert values["__version__"] == "0.33.0+hisparse1"
     assert values["__version_tuple__"] == (0, 33, 0, "hisparse1")
-    # The RECORD that wheel wrote must vouch for the replaced file.
-    record = read_member(built, f"{dist_info}/RECORD")
-    patched_row = next(r for r in record.splitlines() if r.startswith(str(PATCHED)))
+    # RECORD vouches for every member, as pip and wheel read it.
+    with WheelFile(built) as wf:
+        for member in wf.namelist():
+            wf.read(member)  # raises on a hash that does not match
+        record = wf.read(f"{dist_info}/RECORD").decode().splitlines()
+    assert len(record) == len(names) and record[-1] == f"{dist_info}/RECORD,,"
+    patched_row = next(r for r in record if r.startswith(str(PATCHED)))
     assert patched_row.endswith(f",{len(PATCHED_SOURCE)}")
+
+
+def test_an_interrupted_build_leaves_nothing_under_the_wheels_name(
+    tmp_path: Path, out_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip or a user stopping the build while it packs, or a kill: the
+    wheel's name appears only once the wheel is whole."""
+    base = upstream_like(tmp_path)
+    final = out_dir / "vllm-0.33.0+hisparse1-cp38-abi3-manylinux_2_28_x86_64.whl"
+    written: list[str] = []
+    real_open = zipfile.ZipFile.open
+
+    def interrupted_open(self, name, mode="r", *args, **kwargs):
+        if mode == "w":
+            assert not final.exists(), "a kill now would leave a partial wheel"
+            written.append(getattr(name, "filename", name))
+            if len(written) == 3:
+                raise KeyboardInterrupt
+        return real_open(self, name, mode, *args, **kwargs)
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", interrupted_open)
+    with pytest.raises(KeyboardInterrupt):
+        pack.build(
+            out_dir,
+            pins=pins_for(base),
+            overlay_root=make_overlay(tmp_path),
+            location=str(base),
+        )
+    assert len(written) == 3
+    assert list(out_dir.iterdir()) == []
+
+
+def test_unchanged_members_are_copied_in_chunks(tmp_path: Path, out_dir: Path) -> None:
+    """The real base wheel holds a 308 MB .so: no member is read whole."""
+    size = 32 << 20
+    big = "vllm/_C.abi3.so"
+    base = make_wheel(tmp_path, files={big: "x" * size})
+    tracemalloc.start()
+    try:
+        name = pack.build(
+            out_dir,
+            pins=pins_for(base),
+            overlay_root=make_overlay(tmp_path),
+            location=str(base),
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < size // 4, f"the build held {peak} bytes at once"
+    with zipfile.ZipFile(out_dir / name) as zf:
+        assert zf.getinfo(big).file_size == size
 
 
 def test_two_builds_of_one_tree_are_identical(
