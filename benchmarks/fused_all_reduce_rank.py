@@ -125,6 +125,7 @@ def counted_kernel_release(group: Any) -> dict[str, str | None]:
     counts it (the policy's `kernel_release` over `installed_kernels`),
     with the group's inputs as the build's own decision reads them."""
     import vllm.envs as envs
+    from vllm.config import get_current_vllm_config_or_none
 
     policy, fi_group = ours("_policy"), ours("_group")
     release, package = policy.kernel_release(
@@ -132,7 +133,7 @@ def counted_kernel_release(group: Any) -> dict[str, str | None]:
             setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
             node_count=fi_group.group_node_count(group),
             device_capability=fi_group.device_capability(),
-            hisparse=fi_group.hisparse_enabled(),
+            hisparse=fi_group.hisparse_enabled(get_current_vllm_config_or_none()),
             kernels=policy.installed_kernels(),
         )
     )

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
@@ -281,14 +282,26 @@ def build_config(hisparse: str = "off"):
         kwargs["attention_config"] = AttentionConfig(hisparse_config=HiSparseConfig())
     elif hisparse != "off":
         raise ValueError(f"unknown HiSparse mode {hisparse!r}")
-    return VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
-        # HiSparse needs the hybrid KV cache manager, which GPUs enable.
-        scheduler_config=SchedulerConfig.default_factory(
-            disable_hybrid_kv_cache_manager=False
-        ),
-        **kwargs,
-    )
+    # VllmConfig refuses HiSparse on a platform without a HiSparse runtime:
+    # answer as CudaPlatform.get_hisparse_backend_cls does (vllm/platforms/
+    # cuda.py, which does not import without libcuda). It imports the
+    # connector's modules, which load CUDA ops where is_cuda (pin_gpu) is true.
+    from vllm.platforms import current_platform
+
+    runtime = "vllm.v1.hisparse.backend.CUDAHiSparseBackend"
+    platform = type(current_platform)
+    with (
+        mock.patch.object(platform, "get_hisparse_backend_cls", return_value=runtime),
+        mock.patch.object(platform, "is_cuda", lambda self: False),
+    ):
+        return VllmConfig(
+            device_config=DeviceConfig(device="cpu"),
+            # HiSparse needs the hybrid KV cache manager, which GPUs enable.
+            scheduler_config=SchedulerConfig.default_factory(
+                disable_hybrid_kv_cache_manager=False
+            ),
+            **kwargs,
+        )
 
 
 def write_synthetic_flashinfer(

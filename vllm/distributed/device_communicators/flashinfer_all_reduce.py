@@ -1,17 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Description: keep HiSparse and fp16 off FlashInfer's mnnvl until its kernels
-#  have the 0.7.4 fixes; the ranks agree on the backend, and each workspace
-#  creation is bounded and voted (flashinfer_all_reduce_*.py beside this one).
+# Description: retire 0.34.0's HiSparse override of mnnvl on fixed FlashInfer
+#  kernels, and keep fp16 off an unfixed mnnvl; the ranks agree on the backend,
+#  each creation is bounded and voted (flashinfer_all_reduce_*.py beside it).
 # Bug: https://github.com/vllm-project/vllm/issues/64327
 # Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
 # Origin: vendor
 # Forwarded: no
-# Applied-Upstream: no
-# Base: vllm==0.33.0
-# Last-Update: 2026-12-02
-# Drop-When: vLLM pins flashinfer-python>=0.7.4 and its ranks agree on the
-#  backend and bound each creation (docs/contributing/upstream.md).
+# Applied-Upstream: 0.34.0, in part: HiSparse off mnnvl on every kernel, the
+#  backend resolved while the config is current, the 16-byte row check.
+# Base: vllm==0.34.0
+# Last-Update: 2026-12-03
+# Drop-When: each part as docs/contributing/upstream.md says.
 
 import atexit
 import os
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 import vllm.envs as envs
+from vllm.config import get_current_vllm_config_or_none
 from vllm.config.compilation import PassConfig
 from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
@@ -37,7 +38,6 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     group_node_count,
     resolve_fi_ar_backend,
 )
-from vllm.distributed.parallel_state import _node_count  # noqa: F401
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
@@ -89,12 +89,7 @@ def _get_tuned_standalone_max_size(
     return None if max_size_mb is None else int(max_size_mb * MiB)
 
 
-def _release_workspace(workspace: Any) -> None:
-    del _fi_ar_workspace_groups[id(workspace)]
-    workspace.destroy()
-
-
-@on_every_rank(release=_release_workspace)
+@on_every_rank(registry=_fi_ar_workspace_groups)
 def _create_workspace(
     backend: str,
     world_size: int,
@@ -165,7 +160,9 @@ def _create_workspace(
     return workspace
 
 
-def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
+def _resolve_fi_ar_backend(
+    group: ProcessGroup, dtype: torch.dtype | None = None
+) -> tuple[str | None, bool]:
     """Resolve the flashinfer allreduce backend for the current setup.
 
     Returns:
@@ -174,7 +171,7 @@ def _resolve_fi_ar_backend(group: ProcessGroup) -> tuple[str | None, bool]:
         group.
 
     """
-    return resolve_fi_ar_backend(group)
+    return resolve_fi_ar_backend(group, dtype, get_current_vllm_config_or_none())
 
 
 def get_fi_ar_workspace(
@@ -184,18 +181,22 @@ def get_fi_ar_workspace(
     hidden_dim: int,
     dtype: torch.dtype,
     group: ProcessGroup,
+    resolved_backend: tuple[str | None, bool] | None = None,
 ):
     """Return the allreduce workspace for non-quant patterns, initializing if needed.
 
     Used by AllReduceFusionPass (non-quant patterns) and FlashInferAllReduce
     for standalone allreduce. Backend is controlled by
-    VLLM_FLASHINFER_ALLREDUCE_BACKEND env var.
+    VLLM_FLASHINFER_ALLREDUCE_BACKEND env var. ``resolved_backend`` is a
+    ``_resolve_fi_ar_backend`` result taken while the vLLM config was current;
+    lazy creation can run outside it.
     """
     global _fi_ar_workspace, _fi_ar_workspace_failed
     if _fi_ar_workspace is not None or _fi_ar_workspace_failed:
         return _fi_ar_workspace
 
-    backend, allow_trtllm_fallback = resolve_fi_ar_backend(group, dtype)
+    # The group's agreement decides every dtype; `resolved_backend` is one.
+    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group, dtype)
 
     if backend is None:
         return None
@@ -206,6 +207,7 @@ def get_fi_ar_workspace(
             "'trtllm' backend. Please use 'mnnvl' backend instead."
         )
 
+    requested_token_num = max_token_num
     if (
         envs.VLLM_ALLREDUCE_USE_FLASHINFER
         and (max_size := _get_tuned_standalone_max_size(world_size, backend, group))
@@ -229,6 +231,7 @@ def get_fi_ar_workspace(
             "multicast support); falling back to trtllm backend for single node."
         )
         backend = "trtllm"
+        max_token_num = requested_token_num  # mnnvl's tuned size is not trtllm's
         _fi_ar_workspace = _get_or_create(backend)
 
     if _fi_ar_workspace is not None:
@@ -264,7 +267,7 @@ def get_fi_ar_quant_workspace(
     if _fi_ar_quant_workspace is not None or _fi_ar_quant_workspace_failed:
         return _fi_ar_quant_workspace
 
-    backend, allow_trtllm_fallback = resolve_fi_ar_backend(group, dtype)
+    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group, dtype)
 
     if backend is None:
         return None
@@ -427,7 +430,8 @@ class FlashInferAllReduce:
                 self.world_size,
             )
             return
-        backend, _ = _resolve_fi_ar_backend(self.group)
+        self.resolved_backend = _resolve_fi_ar_backend(self.group)
+        backend = self.resolved_backend[0]
         if backend is None:
             logger.info(
                 "FlashInfer All Reduce is disabled because no supported backend "
@@ -448,13 +452,16 @@ class FlashInferAllReduce:
         self.disabled = False
 
     def _size_workspace(self, hidden_dim: int, dtype: torch.dtype) -> None:
-        """Size as __init__ does, for the backend a `dtype` workspace gets: a
-        known issue can move one dtype from mnnvl (tuned size) to trtllm."""
-        if resolve_fi_ar_backend(self.group, dtype)[0] == "trtllm":
-            max_size_mb = PassConfig.default_fi_allreduce_fusion_max_size_mb()
-            self.max_workspace_size = int(max_size_mb[self.world_size] * MiB)
-        element_size = torch.tensor([], dtype=dtype, device="cpu").element_size()
-        self.max_num_tokens = self.max_workspace_size // (hidden_dim * element_size)
+        """Size as __init__ does, for the backend a `dtype` workspace gets (a
+        known issue can move one dtype to trtllm). The creation asks for the
+        untuned size at most: get_fi_ar_workspace tunes it for mnnvl alone."""
+        max_size_mb = PassConfig.default_fi_allreduce_fusion_max_size_mb()
+        untuned_size = int(max_size_mb[self.world_size] * MiB)
+        if _resolve_fi_ar_backend(self.group, dtype)[0] == "trtllm":
+            self.max_workspace_size = untuned_size
+        row_size = hidden_dim * dtype.itemsize
+        self.max_num_tokens = self.max_workspace_size // row_size
+        self.create_num_tokens = min(untuned_size, self.max_workspace_size) // row_size
 
     def _ensure_workspace(self, hidden_dim: int, dtype: torch.dtype) -> bool:
         """Ensure the all reduce workspace is initialized."""
@@ -463,10 +470,11 @@ class FlashInferAllReduce:
         workspace = get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
-            max_token_num=self.max_num_tokens,
+            max_token_num=self.create_num_tokens,
             hidden_dim=hidden_dim,
             dtype=dtype,
             group=self.group,
+            resolved_backend=self.resolved_backend,
         )
         if workspace is None:
             self.disabled = True
@@ -497,6 +505,13 @@ class FlashInferAllReduce:
             return False
 
         num_tokens, hidden_dim = input_tensor.shape
+        element_size = input_tensor.element_size()
+
+        # The fusion kernels load each token row as float4, so a row must be a
+        # whole number of 16-byte vectors. MNNVL asserts on this.
+        if hidden_dim * element_size % 16 != 0:
+            return False
+
         if not self.max_num_tokens:
             self._size_workspace(hidden_dim, input_tensor.dtype)
 

@@ -140,11 +140,12 @@ class _CreationCommBackend:
             self._store.delete_key(key)
 
 
-def on_every_rank(release: Callable[[Any], None]) -> Callable[[Callable], Callable]:
+def on_every_rank(registry: dict[int, Any]) -> Callable[[Callable], Callable]:
     """Makes `create`, this rank's part of a creation (None on failure),
     end the same way on every rank of its `group`: all keep the workspace
     or none does, within FI_AR_CREATE_TIMEOUT_S once the kernels are
-    loaded; `release` destroys it where another rank failed. A failed
+    loaded; where another rank failed, it is destroyed and taken out of
+    `registry` (workspaces by id). A failed
     backend is not tried again, and an exception from `create` is raised
     once every rank has voted."""
 
@@ -169,7 +170,8 @@ def on_every_rank(release: Callable[[Any], None]) -> Callable[[Callable], Callab
             if failure is None:
                 return workspace
             if workspace is not None:
-                release(workspace)
+                del registry[id(workspace)]
+                workspace.destroy()
             state.failed.add(backend)
             logger.warning_once(
                 "FlashInfer %s all-reduce workspace for ranks %s: %s; every rank "

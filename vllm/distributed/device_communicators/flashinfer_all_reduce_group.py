@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 import vllm.envs as envs
-from vllm.config import get_current_vllm_config_or_none
+from vllm.config import VllmConfig
 from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     FI_AR_BACKEND_ENV,
     FI_AR_DTYPES,
@@ -53,10 +53,11 @@ class Group:
 _groups: weakref.WeakKeyDictionary[ProcessGroup, Group] = weakref.WeakKeyDictionary()
 
 
-def agreed(group: ProcessGroup) -> Group:
-    """The group's state, agreed by its ranks on first use."""
+def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Group:
+    """The group's state, agreed by its ranks on first use, under `config`
+    (the vLLM config current then)."""
     if group not in _groups:
-        _groups[group] = _agree(group)
+        _groups[group] = _agree(group, config)
     return _groups[group]
 
 
@@ -66,10 +67,9 @@ def group_node_count(group: ProcessGroup) -> int:
     return agreed(group).node_count
 
 
-def hisparse_enabled() -> bool | None:
+def hisparse_enabled(config: VllmConfig | None) -> bool | None:
     """vLLM sets `hisparse_config` for a HiSparseConnector, also inside a
-    MultiConnector; None without a current vLLM config: unknown."""
-    config = get_current_vllm_config_or_none()
+    MultiConnector; None without a vLLM config: unknown."""
     return (
         None if config is None else config.attention_config.hisparse_config is not None
     )
@@ -111,7 +111,7 @@ def _decide_every_dtype(
     }
 
 
-def _agree(group: ProcessGroup) -> Group:
+def _agree(group: ProcessGroup, config: VllmConfig | None) -> Group:
     """Decide for every workspace dtype and agree, in one round that also
     carries each rank's NVLink fabric probe where mnnvl would span nodes.
 
@@ -122,7 +122,7 @@ def _agree(group: ProcessGroup) -> Group:
         setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
         node_count=_node_count(group),
         device_capability=device_capability(),
-        hisparse=hisparse_enabled(),
+        hisparse=hisparse_enabled(config),
         kernels=installed_kernels(),
     )
     if inputs.hisparse is None:
@@ -193,11 +193,12 @@ def _log(
 
 
 def resolve_fi_ar_backend(
-    group: ProcessGroup, dtype: torch.dtype | None = None
+    group: ProcessGroup, dtype: torch.dtype | None, config: VllmConfig | None
 ) -> tuple[str | None, bool]:
     """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for
-    a workspace of `dtype` (None: not yet known). Agreed once per group."""
-    decisions = agreed(group).decisions
+    a workspace of `dtype` (None: not yet known). Agreed once per group, at
+    its first call: under the config current there (`config`)."""
+    decisions = agreed(group, config).decisions
     key = None if dtype is None else str(dtype).removeprefix("torch.")
     decision = decisions.get(key, decisions[None])
     if _warns(decision) and not _warns(decisions[None]):
