@@ -63,13 +63,13 @@ def upstream_like(tmp_path: Path, **kwargs: object) -> Path:
 
 def test_repo_pins_are_the_upstream_release() -> None:
     pins = load_pins()
-    assert pins.version == "0.33.0+hisparse3"
+    assert pins.version == "0.34.0+hisparse4"
     assert pins.sha256 == {
-        "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl": (
-            "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa"
+        "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl": (
+            "79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2"
         ),
-        "vllm-0.33.0-cp38-abi3-manylinux_2_28_aarch64.whl": (
-            "e9e404f52c8494b69bd83fe99fe7ecfa9f6b89fbd156d2a9639c24ea41d6d606"
+        "vllm-0.34.0-cp38-abi3-manylinux_2_28_aarch64.whl": (
+            "7d96231fc141ad4b3a441292b77362b285b335ca7d1b0e2ab441d4ebde82f405"
         ),
     }
 
