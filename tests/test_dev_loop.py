@@ -29,10 +29,4 @@ def test_tree_is_the_default_source(overlay_modules):
 
 
 def test_installed_vllm_carries_the_local_label():
-    """The default build, or one of the variants pyproject.toml offers."""
-    builds = {load_pins().version} | {
-        load_pins(settings={setting: value}).version
-        for setting, values in load_pins().variants.items()
-        for value in values
-    }
-    assert version("vllm") in builds
+    assert version("vllm") == load_pins().version

@@ -2,19 +2,22 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The PEP 517 and PEP 660 hooks, each handing over to its stage module.
 
-Every input comes from pyproject.toml and the environment, except the build
-``-C`` picks (``pip install -C flashinfer=0.7.4 .``). The metadata hooks
-answer from the tree: ``pip install --dry-run .`` downloads nothing of vLLM.
+Every input comes from pyproject.toml and the environment; ``-C`` settings
+are ignored with a warning, as flit and hatchling ignore them. The metadata
+hooks answer from the tree: ``pip install --dry-run .`` downloads nothing.
 """
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import pack, sdist
-from .pins import DIST_NAME, ConfigSettings, check_python, load_pins, overlay_metadata
+from .pins import DIST_NAME, check_python, load_pins, overlay_metadata
 from .util import OverlayError
+
+# What a PEP 517 frontend passes for ``-C KEY=VALUE``.
+ConfigSettings = Mapping[str, str | list[str]] | None
 
 
 def _hook(function: Callable) -> Callable:
@@ -36,11 +39,10 @@ def _hook(function: Callable) -> Callable:
 @_hook
 def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
     """Nothing beyond ``build-system.requires``; the first hook a frontend
-    calls, so the one that warns of each ``-C`` key the build ignores."""
-    pins = load_pins(settings=config_settings)
-    for ignored in pins.ignored:
-        message = f"{ignored} is not a setting of this build, ignored"
-        print(f"warning: {message} ({pins.options()})", file=sys.stderr)
+    calls, so the one that warns of the ``-C`` settings it ignores."""
+    for key, value in (config_settings or {}).items():
+        message = f"-C {key}={value} ignored: this build takes no settings"
+        print(f"warning: {message}", file=sys.stderr)
     return []
 
 
@@ -49,10 +51,11 @@ def prepare_metadata_for_build_wheel(
     metadata_directory: str, config_settings: ConfigSettings = None
 ) -> str:
     """The wheel's METADATA, from the tree: nothing is downloaded or packed."""
-    pins = load_pins(settings=config_settings)
+    pins = load_pins()
+    metadata = overlay_metadata(pins)
     dist_info = Path(metadata_directory, f"{DIST_NAME}-{pins.version}.dist-info")
     dist_info.mkdir(parents=True, exist_ok=True)
-    (dist_info / "METADATA").write_bytes(overlay_metadata(pins))
+    (dist_info / "METADATA").write_bytes(metadata)
     return dist_info.name
 
 
@@ -63,8 +66,7 @@ def build_wheel(
     metadata_directory: str | None = None,
 ) -> str:
     """The upstream wheel with the tree's files in it (tools/pack.py)."""
-    pins = load_pins(settings=config_settings)
-    return pack.build(Path(wheel_directory), pins=pins)
+    return pack.build(Path(wheel_directory), pins=load_pins())
 
 
 @_hook
@@ -74,15 +76,13 @@ def build_editable(
     metadata_directory: str | None = None,
 ) -> str:
     """The upstream wheel, loading the tree's Python files from the tree."""
-    pins = load_pins(settings=config_settings)
-    return pack.build(Path(wheel_directory), pins=pins, editable=True)
+    return pack.build(Path(wheel_directory), pins=load_pins(), editable=True)
 
 
 @_hook
 def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
     """The tree's files and this build tool."""
-    pins = load_pins(settings=config_settings)
-    return sdist.build_sdist(Path(sdist_directory), pins)
+    return sdist.build_sdist(Path(sdist_directory), load_pins())
 
 
 get_requires_for_build_editable = get_requires_for_build_wheel

@@ -9,7 +9,6 @@ went wrong, and the build adds one line on what to do.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -87,9 +86,9 @@ def pip_download(
     requirement: str, cache_dir: Path, fix: str, platform: str | None = None
 ) -> Path:
     """``pip download`` one wheel into ``cache_dir``, pip's output on stderr.
-    A copy there cut short by a kill fails its pin and is fetched again."""
+    pip writes into a folder inside it, so the wheel moves in by one rename."""
     shown = requirement.split(" --hash")[0] + (f" for {platform}" if platform else "")
-    with tempfile.TemporaryDirectory(prefix="vllm-overlay-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=".download-", dir=cache_dir) as tmp:
         scratch = Path(tmp)
         (scratch / "requirement.txt").write_text(requirement + "\n")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-r"]
@@ -109,7 +108,7 @@ def pip_download(
             raise OverlayError(
                 f"could not fetch {shown} (pip's output is above).\nFix: {fix}"
             )
-        shutil.move(wheels[0], cache_dir / wheels[0].name)
+        os.replace(wheels[0], cache_dir / wheels[0].name)
     log(f"cached {cache_dir / wheels[0].name}")
     return cache_dir / wheels[0].name
 

@@ -1,38 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Stages 3 and 4, the tree's files into the base wheel, packed once; and the
-whole build in stage order.
+"""Stage 3, the tree's files into the base wheel, packed once; and the whole
+build in stage order.
 
-Only the members that change are read into memory; the rest streams from the
-base wheel (``wheel``'s WheelFile writes RECORD). Fixed modes, and times from
-``SOURCE_DATE_EPOCH`` or the base wheel's newest, make builds reproducible.
+Only the members that change are held in memory; the rest is copied from the
+base wheel in chunks, each hashed on the way for RECORD. Fixed modes, and
+times from ``SOURCE_DATE_EPOCH`` or the base wheel's newest, make builds
+reproducible. The wheel is written beside its final name and renamed to it.
 An editable wheel carries the import hook (``finder.py``) and a ``.pth``
 that starts it instead of the tree's Python files.
 """
 
 import ast
+import base64
 import calendar
-import os
+import csv
+import hashlib
+import io
 import re
 import stat
 import time
 import zipfile
 from pathlib import Path
-from unittest import mock
+from typing import IO
 
 from packaging.utils import parse_wheel_filename
-from wheel.wheelfile import WheelFile  # type: ignore[import-untyped]
 
 from .check import check_base_wheel, check_tree
 from .fetch import default_cache_dir, fetch_base_wheel
 from .finder import pth_line
 from .pins import DIST_NAME, REPO_ROOT, Pins, overlay_metadata
-from .util import OverlayError, log, source_date_epoch
+from .util import OverlayError, log, replacing, source_date_epoch
 
 VERSION_MODULE = "vllm/_version.py"
 EDITABLE_FINDER = "_vllm_overlay_finder"
 EDITABLE_PTH = "_vllm_overlay_editable.pth"
 _ZIP_EPOCH = 315532800  # 1980-01-01: the earliest time a zip entry can hold
+_CHUNK = 1 << 20  # bytes copied at a time: the base wheel holds a 308 MB .so
 _VERSION_LINE = re.compile(r"^(__version__ = version = ).*$", re.M)
 _TUPLE_LINE = re.compile(r"^(__version_tuple__ = version_tuple = )(.*)$", re.M)
 
@@ -73,8 +77,9 @@ def repack(
     epoch: str,
 ) -> None:
     """Overlay, relabel and pack once into ``target``: the members that change
-    from memory, the rest streamed from the base wheel, sorted with the
-    .dist-info folder last (as ``wheel pack`` does), all with one time."""
+    from memory, the rest copied from the base wheel in chunks, sorted with
+    the .dist-info folder last (as ``wheel pack`` does), all with one time,
+    and RECORD last, as ``wheel``'s WheelFile writes it."""
     with zipfile.ZipFile(base_wheel) as src:
         members = {i.filename: i for i in src.infolist() if not i.is_dir()}
         dist_info = next(n.split("/")[0] for n in members if ".dist-info/" in n)
@@ -95,25 +100,44 @@ def repack(
         changed[f"{dist_info}/METADATA"] = overlay_metadata(pins)
         names = (set(members) | set(changed)) - dropped - {f"{dist_info}/RECORD"}
         date_time = time.gmtime(max(int(epoch), _ZIP_EPOCH))[:6]
-        # WheelFile takes the time of the RECORD it adds from the environment.
-        with (
-            mock.patch.dict(os.environ, SOURCE_DATE_EPOCH=epoch),
-            WheelFile(target, "w") as out,
-        ):
-            new_dist_info = f"{DIST_NAME}-{pins.version}.dist-info/"
-            last = f"{dist_info}/"
+        new_dist_info = f"{DIST_NAME}-{pins.version}.dist-info/"
+        last = f"{dist_info}/"
+
+        def entry(member: str, mode: int) -> zipfile.ZipInfo:
+            zinfo = zipfile.ZipInfo(member.replace(last, new_dist_info, 1), date_time)
+            zinfo.external_attr = ((mode or 0o644) | stat.S_IFREG) << 16
+            zinfo.compress_type = zipfile.ZIP_DEFLATED
+            return zinfo
+
+        rows = []
+        with replacing(target) as part, zipfile.ZipFile(part, "w") as out:
             for member in sorted(names, key=lambda n: (n.startswith(last), n)):
                 info = members.get(member)
                 mode = (info.external_attr >> 16) & 0o777 if info else 0o644
                 if member in ours:  # the umask or checkout must not leak in
                     mode = 0o755 if ours[member].stat().st_mode & 0o100 else 0o644
-                data = changed[member] if member in changed else src.read(member)
-                zinfo = zipfile.ZipInfo(
-                    member.replace(last, new_dist_info, 1), date_time
-                )
-                zinfo.external_attr = ((mode or 0o644) | stat.S_IFREG) << 16
-                zinfo.compress_type = zipfile.ZIP_DEFLATED
-                out.writestr(zinfo, data)
+                zinfo, data = entry(member, mode), changed.get(member)
+                if data is None:  # unchanged: copied in chunks, zip64 if large
+                    zinfo.file_size = members[member].file_size
+                    rows.append(copy_member(src.open(member), out, zinfo))
+                else:
+                    rows.append(copy_member(io.BytesIO(data), out, zinfo))
+            rows.append([f"{new_dist_info}RECORD", "", ""])
+            record = io.StringIO()
+            csv.writer(record, lineterminator="\n").writerows(rows)
+            # The mode wheel's WheelFile gives RECORD.
+            out.writestr(entry(f"{last}RECORD", 0o664), record.getvalue())
+
+
+def copy_member(chunks: IO[bytes], out: zipfile.ZipFile, zinfo: zipfile.ZipInfo):
+    """Write one member in chunks; return its RECORD row."""
+    digest, size = hashlib.sha256(), 0
+    with chunks, out.open(zinfo, "w") as dest:
+        while chunk := chunks.read(_CHUNK):
+            digest.update(chunk)
+            size += dest.write(chunk)
+    hashed = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+    return [zinfo.filename, f"sha256={hashed}", size]
 
 
 def with_tags(wheel_file: bytes, base_name: str) -> bytes:
@@ -134,7 +158,7 @@ def with_version(module: bytes, pins: Pins) -> bytes:
 
     vcs-versioning's version gets ``+label``, its tuple the label as last
     part, the shape vLLM's own local builds have (collect-env reads it):
-    ``(0, 33, 0, "hisparse3.fi074")``.
+    ``(0, 33, 0, "hisparse3")``.
     """
     text = module.decode()
     tuples = _TUPLE_LINE.findall(text)
@@ -143,6 +167,6 @@ def with_version(module: bytes, pins: Pins) -> bytes:
             f"the base wheel's {VERSION_MODULE} changed format.\n"
             "Fix: update with_version in tools/pack.py"
         )
-    new_tuple = (*ast.literal_eval(tuples[0][1]), pins.label)
+    new_tuple = (*ast.literal_eval(tuples[0][1]), pins.local_label)
     text = _VERSION_LINE.sub(lambda m: f"{m.group(1)}{pins.version!r}", text)
     return _TUPLE_LINE.sub(lambda m: f"{m.group(1)}{new_tuple!r}", text).encode()

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The sdist: ``vllm/``, the pins, this build tool and the LICENSE, with
-the wheel's METADATA as PKG-INFO; reproducible. One made with ``-C`` records
-it, so every wheel built from it is the build its name says.
+the wheel's METADATA as PKG-INFO; reproducible.
 """
 
 import gzip
@@ -11,8 +10,8 @@ import tarfile
 from pathlib import Path
 
 from .check import check_tree
-from .pins import DIST_NAME, REPO_ROOT, SETTINGS_TABLE, Pins, overlay_metadata
-from .util import source_date_epoch
+from .pins import DIST_NAME, REPO_ROOT, Pins, overlay_metadata
+from .util import replacing, source_date_epoch
 
 
 def sdist_files(root: Path, pins: Pins) -> list[Path]:
@@ -25,21 +24,6 @@ def sdist_files(root: Path, pins: Pins) -> list[Path]:
     return sorted(files, key=lambda rel: rel.as_posix())
 
 
-def carried_pyproject(pins: Pins, pyproject: Path) -> bytes:
-    """``pyproject.toml`` as the sdist carries it: with the chosen build."""
-    data = pyproject.read_bytes()
-    if not pins.chosen or pins.recorded:
-        return data  # the default build, or an sdist's tree: recorded already
-    options = " ".join(f"-C {setting}={value}" for setting, value in pins.chosen)
-    lines = [
-        f"\n\n# Recorded by the sdist build for `{options}`: every wheel built",
-        "# from this sdist is that build.",
-        SETTINGS_TABLE,
-        *(f'{setting} = "{value}"' for setting, value in pins.chosen),
-    ]
-    return data.rstrip(b"\n") + "\n".join(lines).encode() + b"\n"
-
-
 def build_sdist(sdist_directory: Path, pins: Pins, root: Path = REPO_ROOT) -> str:
     """Write ``vllm-<version>.tar.gz`` into ``sdist_directory``; return its name."""
     top = f"{DIST_NAME}-{pins.version}"
@@ -47,7 +31,6 @@ def build_sdist(sdist_directory: Path, pins: Pins, root: Path = REPO_ROOT) -> st
     entries = {Path("PKG-INFO"): overlay_metadata(pins)}
     for rel in sdist_files(root, pins):
         entries[rel] = (root / rel).read_bytes()
-    entries[Path("pyproject.toml")] = carried_pyproject(pins, root / "pyproject.toml")
     raw = io.BytesIO()
     with (  # no file name and a fixed time in the gzip header
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=epoch) as gz,
@@ -59,5 +42,6 @@ def build_sdist(sdist_directory: Path, pins: Pins, root: Path = REPO_ROOT) -> st
             if rel.name != "PKG-INFO" and (root / rel).stat().st_mode & 0o100:
                 info.mode = 0o755
             tar.addfile(info, io.BytesIO(data))
-    (sdist_directory / f"{top}.tar.gz").write_bytes(raw.getvalue())
+    with replacing(sdist_directory / f"{top}.tar.gz") as part:
+        part.write_bytes(raw.getvalue())
     return f"{top}.tar.gz"

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The bottom layer: the error type, logging, hashing, folders and time."""
+"""The bottom layer: the error type, logging, hashing, files and time."""
 
+import contextlib
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -37,6 +39,18 @@ def cache_folder(path: Path) -> Path:
             "Fix: set VLLM_CACHE_ROOT to a folder you can write to"
         ) from None
     return path
+
+
+@contextlib.contextmanager
+def replacing(target: Path) -> Iterator[Path]:
+    """A file beside ``target`` to write, renamed to it once the block ends
+    without error: an interrupted write leaves nothing under its name."""
+    part = target.with_name(f".{target.name}.{os.getpid()}.part")
+    try:
+        yield part
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def source_date_epoch() -> int | None:

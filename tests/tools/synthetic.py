@@ -21,7 +21,6 @@ from pathlib import Path
 
 import packaging
 import pytest
-import wheel
 
 from tools import check, pack, util
 from tools.pins import BASE_METADATA, LOCATION_ENV, Pins, load_pins
@@ -216,13 +215,13 @@ def copy_tools(project: Path, base: Path) -> None:
 def scratch_project(
     tmp_path: Path,
     base: Path,
+    requires: Sequence[str] = (),
     adds: Mapping[str, str] | None = None,
-    pyproject_extra: str = "",
 ) -> Path:
     """A repo copy whose pins trust ``base``, to drive the backend through pip.
 
-    ``adds`` maps the paths of added modules to their contents;
-    ``pyproject_extra`` is TOML appended to its pyproject.toml.
+    ``requires`` are its requirement overrides; ``adds`` maps the paths of
+    added modules to their contents.
     """
     project = tmp_path / "project"
     copy_tools(project, base)
@@ -232,17 +231,18 @@ def scratch_project(
         (project / rel).write_text(text)
     (project / "pyproject.toml").write_text(
         "[build-system]\n"
-        "requires = ['wheel>=0.48.0', 'packaging>=24.0']\n"
+        "requires = ['packaging>=24.0']\n"
         "build-backend = 'tools.buildapi'\n"
         "backend-path = ['.']\n\n"
         "[tool.vllm-overlay]\n"
         "base-version = '0.33.0'\n"
         "local-label = 'hisparse1'\n"
+        f"requires = {list(requires)!r}\n"
         f"adds = {sorted(adds or {})!r}\n\n"
         "[tool.vllm-overlay.sha256]\n"
         f"'{base.name}' = '{util.sha256_of(base)}'\n\n"
         "[tool.vllm-overlay.replaces]\n"
-        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n" + pyproject_extra
+        f"'{PATCHED.as_posix()}' = '{STOCK_PIN}'\n"
     )
     return project
 
@@ -317,7 +317,7 @@ def pyproject_text(
     listed = ", ".join(f'"{path}"' for path in adds)
     return (
         "[build-system]\n"
-        "requires = ['wheel>=0.48.0', 'packaging>=24.0']\n"
+        "requires = ['packaging>=24.0']\n"
         "build-backend = 'tools.buildapi'\n"
         "backend-path = ['.']\n\n"
         "[tool.vllm-overlay]\n"
@@ -425,17 +425,16 @@ def scratch_venv(where: Path, with_pip: bool = False) -> Path:
 
     Without ``with_pip`` it has no pip (the outer pip installs into it with
     ``--python``); with it, Python's bundled pip (ensurepip, offline). It has
-    no system site-packages: the backend's own needs are lent to it from the
-    environment under test through a ``.pth`` file, as a build environment
-    would install them, never from the base interpreter, which may lack them.
+    no system site-packages: the backend's own need, packaging, is lent to it
+    from the environment under test through a ``.pth`` file, as a build
+    environment would install it, never from the base interpreter.
     """
     env_dir = where / "venv"
     venv.create(env_dir, with_pip=with_pip)
     python = env_dir / "bin" / "python"
     lent = where / "lent"
     lent.mkdir()
-    for package in (packaging, wheel):
-        (lent / package.__name__).symlink_to(Path(package.__file__).parent)
+    (lent / "packaging").symlink_to(Path(packaging.__file__).parent)
     (site_packages(python) / "_lent.pth").write_text(f"{lent}\n")
     return python
 

@@ -7,6 +7,7 @@ and config file: a local copy, the cache, pip's hash-checking download, and
 what a missing network looks like.
 """
 
+import os
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,30 @@ def test_a_download_is_checked_by_pip_then_cached(
     assert got == tmp_path / "vllm-cache" / "precompiled-wheels" / base.name
     assert got.read_bytes() == base.read_bytes()
     assert [p.name for p in got.parent.iterdir()] == [base.name]
+
+
+def test_the_download_moves_into_the_cache_by_one_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip writes inside the cache folder, so the whole wheel arrives under
+    its name by one rename on the same file system, never copied in part."""
+    base = make_wheel(tmp_path)
+    pip_sees_only(monkeypatch, base.parent)
+    cache = tmp_path / "cache"
+    renames = []
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+
+        def spy(src, dst, *args, real=real, **kwargs):
+            renames.append((Path(src), Path(dst)))
+            return real(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, spy)
+    got = fetch.fetch_base_wheel(pins_for(base), cache_dir=cache)
+    assert got == cache / base.name and got.read_bytes() == base.read_bytes()
+    [source] = [src for src, dst in renames if dst == got]
+    assert source.parent.parent == cache, f"moved in from {source}"
+    assert [p.name for p in cache.iterdir()] == [base.name]
 
 
 def test_pip_refuses_a_download_that_matches_no_pin(

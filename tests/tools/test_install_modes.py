@@ -55,8 +55,9 @@ def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
     assert raw == names[1].read_bytes()  # reproducible
     assert raw[3] & 0x08 == 0  # no file name in the gzip header
     assert str(tree_imports.REPO_ROOT).encode() not in gzip.decompress(raw)
-    assert names[0].name == "vllm-0.33.0+hisparse3.tar.gz"
-    top = "vllm-0.33.0+hisparse3/"
+    version = load_pins().version
+    assert names[0].name == f"vllm-{version}.tar.gz"
+    top = f"vllm-{version}/"
     with tarfile.open(names[0]) as tar:
         members = tar.getmembers()
         read = {m.name.removeprefix(top): tar.extractfile(m).read() for m in members}
@@ -71,7 +72,9 @@ def test_sdist_of_this_repo_holds_what_a_build_needs(tmp_path: Path) -> None:
     assert b"Apache License\n                           Version 2.0" in read["LICENSE"]
     # PKG-INFO is the wheel's METADATA: the base's, with our version.
     assert read["PKG-INFO"] == overlay_metadata(load_pins())
-    assert b"Version: 0.33.0+hisparse3\n" in read["PKG-INFO"]
+    assert f"Version: {version}\n".encode() in read["PKG-INFO"]
+    assert b"Requires-Dist: flashinfer-python==0.7.4\n" in read["PKG-INFO"]
+    assert read["pyproject.toml"] == (repo / "pyproject.toml").read_bytes()
     assert b"License-File: LICENSE\n" in read["PKG-INFO"]
 
 

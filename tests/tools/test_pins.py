@@ -4,7 +4,7 @@
 and still right for the release they pin.
 
 The last tests read the repository's own pins: they fail at the rebase that
-makes the patch's workaround, its 0.7.4 build or its label wrong.
+makes the patch's workaround, its FlashInfer override or its label wrong.
 """
 
 import sys
@@ -33,6 +33,18 @@ REPO_RANGE = "<3.15,>=3.11"  # as the base wheel's METADATA writes it
                 f"'vllm-0.32.0-py3-none-any.whl' = '{'a' * 64}'"
             ),
             "vllm-0.32.0-py3-none-any.whl is not a vllm==0.33.0 wheel",
+        ),
+        (
+            "local-label = 'x1'\n[tool.vllm-overlay.variants.flashinfer]",
+            "unknown key 'variants'",
+        ),
+        (
+            "local-label = 'x1'\nrequires = ['flashinfer-python=0.7.4']",
+            "cannot read the pins",
+        ),
+        (
+            "local-label = 'x1'\nrequires = ['a==1; sys_platform == \"linux\"']",
+            'requires: a==1; sys_platform == "linux" has a marker',
         ),
     ],
 )
@@ -100,27 +112,22 @@ def test_the_base_still_needs_the_known_issue_workaround() -> None:
         f"the base wheel pins flashinfer-python=={pinned_flashinfer()}, at or above "
         f"every fixed_in of FI_AR_KNOWN_ISSUES ({fixes}): drop those entries and "
         "the part of the patch that steers around them (Drop-When in the DEP-3 "
-        "header of the replaced file), and the -C flashinfer variant"
+        "header of the replaced file), and the flashinfer-python override"
     )
 
 
-def test_each_variant_moves_past_the_base_wheels_pin() -> None:
-    for setting, values in load_pins().variants.items():
-        for value, variant in values.items():
-            for requirement in map(Requirement, variant["requires"]):
-                [spec] = requirement.specifier
-                assert requirement.name == "flashinfer-python", requirement
-                assert Version(spec.version) > pinned_flashinfer(), (
-                    f"-C {setting}={value}: the base wheel pins that release or a "
-                    "later one already; remove the variant"
-                )
+def test_each_override_moves_past_the_base_wheels_pin() -> None:
+    for requirement in load_pins().requires:
+        [spec] = requirement.specifier
+        assert requirement.name == "flashinfer-python", requirement
+        assert Version(spec.version) > pinned_flashinfer(), (
+            f"requires {requirement}: the base wheel pins that release or a later "
+            "one already; remove it from [tool.vllm-overlay] requires"
+        )
 
 
 def test_the_local_label_is_one_vllm_reads_as_a_label() -> None:
     """vllm/platforms picks the CPU platform when 'cpu' is in the version, and
     collect-env reads a last version part starting with 'g' as a git sha."""
-    pins = load_pins()
-    labels = [pins.local_label]
-    labels += [v["label"] for vs in pins.variants.values() for v in vs.values()]
-    for label in labels:
-        assert "cpu" not in label.lower() and not label.lower().startswith("g")
+    label = load_pins().local_label
+    assert "cpu" not in label.lower() and not label.lower().startswith("g")

@@ -1,14 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Switching between the builds and stock vLLM, with the README's commands.
+"""Switching between this build and stock vLLM, with the README's commands.
 
 The README's "Switching builds" table gives, for each target, a command and
-the pair of versions it installs. Every command is run as written, by bash,
-with a scratch venv's own pip first on PATH (the pip its Python bundles: 23.2
-on 3.11), on synthetic releases in a local find-links folder: a vllm 0.33.0
-base wheel named like upstream's, which pins flashinfer-python 0.7.2.post1,
-and flashinfer-python 0.7.2.post1 and 0.7.4. After each step ``pip check``
-must pass and the installed pair must be the one the README names.
+the pair of versions it installs, or why it installs nothing. Every command
+is run as written, by bash, with a scratch venv's own pip first on PATH (the
+pip its Python bundles: 23.2 on 3.11), on synthetic releases in a local
+find-links folder that serves what the real index serves: a vllm base wheel
+named like upstream's, pinning flashinfer-python as the pinned release does,
+and flashinfer-python 0.7.2.post1 and 0.7.4, not 0.7.3. After each step
+``pip check`` must pass and the installed pair must be the one the README
+names; a command the README says installs nothing must fail and change
+nothing.
 """
 
 import os
@@ -23,23 +26,20 @@ import pytest
 from packaging.tags import Tag, sys_tags
 from synthetic import make_dist, make_wheel, run_limited, scratch_project, scratch_venv
 
-from tools.pins import load_pins
+from tools.pins import load_pins, parse_metadata
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ARCH = platform.machine()
 # Upstream's file name, which the README's cached-wheel command names.
 BASE_TAGS = f"cp38-abi3-manylinux_2_28_{ARCH}"
-VARIANT = """
-[tool.vllm-overlay.variants.flashinfer]
-"0.7.4" = { label = "fi074", requires = ["flashinfer-python==0.7.4"] }
-"""
+SERVED = ("0.7.2.post1", "0.7.4")  # the flashinfer-python releases PyPI has
 PROBE = (
     "import importlib.metadata as md; "
     "print(md.version('vllm'), md.version('flashinfer-python'))"
 )
-# | to | `command` (a note) | vllm V, flashinfer-python V |
+# | to | `command` (a note) | vllm V, flashinfer-python V | or | nothing: why |
 _ROW = re.compile(
-    r"^\| (?P<to>[^|]+) \| `(?P<command>[^`]+)`[^|]* \| (?P<pair>[^|]+) \|$"
+    r"^\| (?P<to>[^|]+) \| `(?P<command>[^`]+)`[^|]* \| (?P<installs>[^|]+) \|$"
 )
 _PAIR = re.compile(r"^vllm (\S+), flashinfer-python (\S+)$")
 
@@ -48,7 +48,7 @@ _PAIR = re.compile(r"^vllm (\S+), flashinfer-python (\S+)$")
 class Switch:
     to: str
     command: str
-    versions: tuple[str, str]
+    versions: tuple[str, str] | None  # None: the README says it installs nothing
 
 
 def readme_switches() -> dict[str, Switch]:
@@ -60,29 +60,44 @@ def readme_switches() -> dict[str, Switch]:
         row = _ROW.match(line)
         if row is None or row["to"] == "to":
             continue
-        pair = _PAIR.match(row["pair"].strip())
-        assert pair, f"README.md: {line!r} does not name vllm and flashinfer-python"
-        command = row["command"]
-        if "-C flashinfer=0.7.4" in command:
-            key = "variant"
-        elif "precompiled-wheels" in command:
+        command, installs = row["command"], row["installs"].strip()
+        assert " -C " not in command, f"README.md: {line!r}: the build takes no -C"
+        pair = _PAIR.match(installs)
+        assert pair or installs.startswith("nothing: "), (
+            f"README.md: {line!r} names neither vllm and flashinfer-python nor "
+            "'nothing: why'"
+        )
+        if "precompiled-wheels" in command:
             key = "stock-cached"
         elif command.startswith("pip install ."):
-            key = "default"
+            key = "this build"
         else:
             key = "stock"
         assert key not in switches, f"README.md: two rows for {key}"
-        switches[key] = Switch(row["to"].strip(), command, pair.groups())
-    assert sorted(switches) == ["default", "stock", "stock-cached", "variant"]
+        switches[key] = Switch(row["to"].strip(), command, pair and pair.groups())
+    assert {"this build", "stock"} <= set(switches) <= {*switches, "stock-cached"}
     return switches
+
+
+def base_flashinfer_pin() -> str:
+    """The flashinfer-python release the pinned base wheel requires."""
+    requires = parse_metadata(load_pins().base_metadata).get_all("Requires-Dist")
+    [pin] = [r for r in requires if r.startswith("flashinfer-python==")]
+    return pin.split("==")[1].split(";")[0].strip()
 
 
 def test_the_readme_names_the_builds_this_tree_makes() -> None:
     switches = readme_switches()
-    assert switches["default"].versions[0] == load_pins().version
-    variant = load_pins(settings={"flashinfer": "0.7.4"}).version
-    assert switches["variant"].versions == (variant, "0.7.4")
-    assert switches["stock"].versions[0] == load_pins().base_version
+    pins = load_pins()
+    [flashinfer] = [str(r.specifier)[2:] for r in pins.requires]
+    assert switches["this build"].versions == (pins.version, flashinfer)
+    for key in ("stock", "stock-cached"):
+        if key not in switches:
+            continue
+        if base_flashinfer_pin() in SERVED:
+            assert switches[key].versions == (pins.base_version, base_flashinfer_pin())
+        else:  # stock vLLM cannot be installed from the index: say so
+            assert switches[key].versions is None, f"README.md: {key} installs nothing"
 
 
 @dataclass
@@ -107,19 +122,22 @@ def machine(tmp_path: Path) -> Machine:
     if Tag("cp38", "abi3", f"manylinux_2_28_{ARCH}") not in set(sys_tags()):
         pytest.skip(f"needs a platform that installs {BASE_TAGS} wheels")
     index = tmp_path / "index"
+    pins = load_pins()  # the README names this tree's versions
     base = make_wheel(
         tmp_path / "base",
+        version=pins.base_version,
         wheel_tag=f"cp38-abi3-linux_{ARCH}",
         file_tags=BASE_TAGS,
-        requires_dist=["flashinfer-python==0.7.2.post1"],
+        requires_dist=[f"flashinfer-python=={base_flashinfer_pin()}"],
     )
-    for release in ("0.7.2.post1", "0.7.4"):
+    for release in SERVED:
         make_dist(index, "flashinfer-python", release)
     shutil.copy(base, index)
-    project = scratch_project(tmp_path, base, pyproject_extra=VARIANT)
+    requires = [str(r) for r in pins.requires]
+    project = scratch_project(tmp_path, base, requires)
     pyproject = project / "pyproject.toml"
-    label = load_pins().local_label  # the README names this tree's versions
-    pyproject.write_text(pyproject.read_text().replace("'hisparse1'", repr(label), 1))
+    text = pyproject.read_text().replace("'hisparse1'", repr(pins.local_label), 1)
+    pyproject.write_text(text.replace("'0.33.0'", repr(pins.base_version), 1))
     python = scratch_venv(tmp_path, with_pip=True)
     env = {
         **os.environ,  # tests/tools/conftest.py: no index, a fresh vLLM cache
@@ -135,10 +153,18 @@ def machine(tmp_path: Path) -> Machine:
 
 
 def switch(machine: Machine, step: Switch, transcript: list[str]) -> None:
-    """Run one README command, then ``pip check``; both must succeed."""
+    """Run one README command, then ``pip check``; both must succeed, or,
+    where the README says the command installs nothing, it must fail."""
+    before = machine.installed()
     proc = machine.run(step.command)
     transcript.append(f"$ {step.command}   # to {step.to}: exit {proc.returncode}")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if step.versions is None:
+        assert proc.returncode != 0, f"`{step.command}` installed something"
+        missing = f"flashinfer-python=={base_flashinfer_pin()}"
+        output = proc.stdout + proc.stderr
+        assert f"No matching distribution found for {missing}" in output
+    else:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
     check = machine.run("pip check")
     transcript.append(f"$ pip check\n{check.stdout.strip()}")
     installed = machine.installed()
@@ -147,32 +173,29 @@ def switch(machine: Machine, step: Switch, transcript: list[str]) -> None:
     assert check.returncode == 0, (
         f"after `{step.command}`, pip check fails:\n{check.stdout}"
     )
-    assert installed == step.versions, f"after `{step.command}`"
+    assert installed == (step.versions or before), f"after `{step.command}`"
 
 
-@pytest.mark.parametrize("start", ["default", "variant"])
-def test_round_trip_through_stock_and_the_other_build(
-    machine: Machine, start: str
-) -> None:
-    """From a build: to stock, to the other build, back, and to stock again.
+def test_round_trip_through_stock(machine: Machine) -> None:
+    """This build, to stock from the cache and from the index, and back.
 
     Going to stock from the cache must not download the release again: the
     find-links folder no longer holds it then.
     """
     switches = readme_switches()
-    other = "variant" if start == "default" else "default"
     cache = Path(machine.env["VLLM_CACHE_ROOT"]) / "precompiled-wheels"
     pip = machine.run("pip --version").stdout
     assert str(machine.python.parents[1]) in pip, "the venv's own pip runs"
     transcript = [f"$ pip --version\n{pip.strip()}"]
     print(transcript[0])
-    switch(machine, switches[start], transcript)
+    switch(machine, switches["this build"], transcript)
     assert (cache / machine.base.name).is_file(), "the build caches the base wheel"
 
-    offered = machine.index / machine.base.name
-    offered.unlink()
-    switch(machine, switches["stock-cached"], transcript)
-    shutil.copy(machine.base, offered)
+    if "stock-cached" in switches:
+        offered = machine.index / machine.base.name
+        offered.unlink()
+        switch(machine, switches["stock-cached"], transcript)
+        shutil.copy(machine.base, offered)
 
-    for key in (other, start, "stock"):
+    for key in ("stock", "this build"):
         switch(machine, switches[key], transcript)
