@@ -3,7 +3,7 @@
 """Start-up cost of FlashInfer all-reduce backend selection: patch vs stock.
 
 Runs one gloo group of `--ranks` processes on this machine for each module,
-this tree's flashinfer_all_reduce.py and the vllm 0.33.0 original, and
+this tree's flashinfer_all_reduce.py and the vllm 0.34.0 original, and
 measures what a worker does at start-up: backend resolution plus workspace
 acquisition for the standalone all-reduce, the fusion pass and quant fusion.
 FlashInfer's workspace constructor is the test suite's fake (one collective,

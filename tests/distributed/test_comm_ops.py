@@ -334,7 +334,7 @@ def test_flashinfer_auto_backend_hisparse_multi_node_is_off(two_nodes, hisparse)
 
 @requires_namespaces
 def test_flashinfer_auto_backend_hisparse_multi_node_mnnvl_on_fixed_kernels(two_nodes):
-    """Across Blackwell nodes, as stock 0.33.0 did before the bug."""
+    """Across Blackwell nodes, as stock 0.33.0 did before the override."""
     for r in every_rank(two_nodes, "hisparse-fixed"):
         assert r["workspace"] == r["quant"] == "mnnvl"
         assert not r["standalone_disabled"]

@@ -64,7 +64,7 @@ def test_an_invalid_setting_is_refused_by_vllm(fi_ar, cpu_group, monkeypatch, se
 
 @pytest.mark.parametrize("case", ["auto", "hisparse", "no-multicast"])
 def test_nodes_are_counted_once_per_group(one_node, case):
-    # Counting nodes is collective; 0.33.0 repeated it on every resolve.
+    # Counting nodes is collective; stock repeats it on every resolve.
     for r in every_rank(one_node, case):
         assert r["node_probes"] == 1
 
@@ -164,7 +164,7 @@ def uneven_ranks() -> list[dict[str, dict[str, Any]]]:
     """Four ranks on one node, each case making one rank the odd one out.
 
     The fake constructor exchanges arguments like FlashInfer's, so ranks that
-    go separate ways fail here, where on GPUs they would hang (0.33.0 does).
+    go separate ways fail here, where on GPUs they would hang (stock does).
     """
     return run_group(
         [

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The pure backend decision: vLLM 0.33.0's `auto`, the FlashInfer bugs it
+"""The pure backend decision: vLLM 0.34.0's `auto`, the FlashInfer bugs it
 steers around as data that retires on fixed kernels, and which kernels count.
 
 No process groups: every test is a function of `FiArBackendInputs` or of
@@ -86,7 +86,7 @@ def test_decision_table(policy, overrides, backend, fallback):
 @pytest.mark.parametrize("release", UNFIXED + FIXED)
 @pytest.mark.parametrize("node_count", [1, 2])
 def test_hisparse_override_retires_at_0_7_4(policy, release, node_count):
-    """flashinfer#7782 is fixed in 0.7.4: from there `auto` makes 0.33.0's
+    """flashinfer#7782 is fixed in 0.7.4: from there `auto` makes vLLM's
     own choice with HiSparse; before, trtllm on one node and off across."""
     inputs = _inputs(
         policy, hisparse=True, node_count=node_count, kernels=_kernels(release)

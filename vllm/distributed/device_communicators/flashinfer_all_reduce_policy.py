@@ -136,7 +136,8 @@ def kernel_release(inputs: FiArBackendInputs) -> tuple[Version | None, str]:
 
 
 def _auto_candidates(inputs: FiArBackendInputs) -> tuple[list[str], str]:
-    """vLLM 0.33.0's `auto`: the backends it would try, best first, and why."""
+    """vLLM 0.34.0's `auto` before its HiSparse override, which the known
+    issues replace: the backends it would try, best first, and why."""
     if inputs.node_count == 1:
         return ["mnnvl", "trtllm"], (
             "auto, single node (trtllm if NVSwitch multicast is unavailable)"
@@ -157,8 +158,8 @@ def decide_fi_ar_backend(
     known_issues: tuple[FiArKnownIssue, ...] = FI_AR_KNOWN_ISSUES,
 ) -> FiArBackendDecision:
     """The backend for `inputs`: explicit settings are obeyed; `auto` takes
-    the first of vLLM 0.33.0's candidates that no unfixed known issue
-    breaks, and is off when none is left."""
+    the first of vLLM's candidates that no unfixed known issue breaks, and
+    is off when none is left."""
     release, package = kernel_release(inputs)
 
     def unfixed(backend: str) -> FiArKnownIssue | None:
