@@ -346,7 +346,7 @@ class Rank:
         after each burst, as they must stop together."""
         self.report.advance(PHASE_REPLAY)
         for turn in itertools.count(1):
-            self.burst(steps[turn % len(steps)])
+            self.burst(steps[(turn - 1) % len(steps)])
             late = time.monotonic() >= deadline and turn >= len(steps)
             done = torch.tensor([int(self.rank == 0 and late)])
             dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.tp_group.cpu_group)
