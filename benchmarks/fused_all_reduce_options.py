@@ -56,8 +56,9 @@ def parse_args(argv: list[str], description: str = "") -> argparse.Namespace:
         "--host-traffic-mib",
         type=int,
         default=256,
-        help="pinned host memory per rank that each step copies to and from "
-        "the GPU and HiSparse's gathers read (default 256; 0: no host traffic)",
+        help="pinned host pool per rank that HiSparse's gathers read and each "
+        "fused call's copies take 4 MiB of, each way (default 256; 0: no "
+        "host traffic)",
     )
     add("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     add(
@@ -148,7 +149,7 @@ def validate(args: argparse.Namespace) -> None:
         served = sorted(PassConfig.default_fi_allreduce_fusion_max_size_mb())
         if args.tp not in served:
             raise BadInput(
-                f"-tp {args.tp}: vLLM 0.33.0 has no FlashInfer all-reduce size "
+                f"-tp {args.tp}: vLLM 0.34.0 has no FlashInfer all-reduce size "
                 f"for TP {args.tp} on this GPU (PassConfig."
                 "default_fi_allreduce_fusion_max_size_mb serves TP "
                 f"{', '.join(map(str, served)) or 'none'}), so FlashInferAllReduce "

@@ -13,6 +13,7 @@ in for FlashInfer's, without graphs or host traffic.
 import contextlib
 import ctypes
 import importlib
+import itertools
 import json
 import logging
 import os
@@ -29,10 +30,10 @@ from fused_all_reduce_step import (
     DTYPES,
     INPUT_SETS,
     NORMS,
+    Rotation,
     Step,
-    in_flight,
     largest_fitting,
-    percentiles,
+    overlap_share,
     token_counts,
 )
 
@@ -215,15 +216,24 @@ class Rank:
             decided_backend=self.decided_backend,
             kernel=kernel,
             nodes=ours("_group").group_node_count(self.tp_group.cpu_group),
-            platform=self.gpu.describe() if self.gpu else {},
+            platform=self.gpu.describe(self.device) if self.gpu else {},
             lines=list(self.lines.lines),
         )
         configs = [
             (d, h) for d in self.spec["dtypes"] for h in self.spec["hidden_sizes"]
         ]
+        # --seconds bounds the run from here: each shape's share ends its
+        # replays, whatever its warm-up took.
+        start, share = time.monotonic(), self.spec["seconds"] / len(configs)
         for seed, (dtype, hidden) in enumerate(configs):
-            self.run_config(dtype, hidden, self.spec["seconds"] / len(configs), seed)
+            self.run_config(dtype, hidden, start + share * (seed + 1), seed)
         self.report.advance(PHASE_DONE)
+
+    def oneshot(self, tokens: int, hidden: int, dtype: torch.dtype) -> bool:
+        """Whether the op runs one-shot for this shape, as vLLM's op and
+        FlashInfer pick on this device."""
+        kernels = self.gpu or self.cpu
+        return kernels.use_oneshot(self.backend, self.world_size, tokens, hidden, dtype)
 
     def known_overflow(self, dtype: str) -> bool:
         """Whether zeroed tokens here are the known fp16 overflow."""
@@ -265,7 +275,7 @@ class Rank:
             )
         return outputs
 
-    def run_config(self, dtype: str, hidden: int, seconds: float, seed: int) -> None:
+    def run_config(self, dtype: str, hidden: int, deadline: float, seed: int) -> None:
         """One model shape: a fresh workspace, a sweep, replays until time."""
         from vllm.model_executor.layers.layernorm import RMSNorm
 
@@ -281,6 +291,8 @@ class Rank:
         # The first call creates the workspace, as a model's first forward does.
         probe = torch.zeros(1, hidden, dtype=torch_dtype, device=self.device)
         self.fused(probe, torch.zeros_like(probe), norms[0])
+        # Input sets by Lamport slot from here; the probe took the first.
+        self.rotation = Rotation(INPUT_SETS, slots=1)
         ws = self.fi_ar.get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
@@ -296,11 +308,7 @@ class Rank:
         sweep = token_counts(
             largest_fitting(ws, self.world_size, budget, hidden, torch_dtype)
         )
-        steps = [
-            Step(self, dtype, hidden, n, norms, seed, fused_only)
-            for n in sweep
-            for fused_only in (False, True)
-        ]
+        steps = [Step(self, dtype, hidden, n, norms, seed) for n in sweep]
         for step in steps:
             self.prepare(step)
         self.report.send(
@@ -311,75 +319,61 @@ class Rank:
             tokens=sweep,
             input_sets=INPUT_SETS,
             step_nodes=[list(node) for node in steps[0].nodes],
-            in_flight=in_flight(steps[0].nodes),
             lines=list(self.lines.lines),
         )
-        self.replay(steps, seconds)
+        self.replay(steps, deadline)
         self.report.send(
-            "latency",
+            "overlap",
             dtype=dtype,
             hidden=hidden,
-            buckets=[
-                {
-                    "tokens": layers.tokens,
-                    "step": percentiles(layers.seconds),
-                    "fused_call": percentiles([t / fused.calls for t in fused.seconds]),
-                }
-                for layers, fused in zip(steps[::2], steps[1::2], strict=True)
-            ],
+            overlap=[sum(step.overlap[i] for step in steps) for i in (0, 1)],
         )
 
     def prepare(self, step: Step) -> None:
         """An eager, checked run (a model's warm-up), then on GPUs the
         capture of the step in one CUDA graph."""
         self.report.advance()
-        step.load(0)
-        step.check(0, step.forward())
+        step.check(0, step.load(self.rotation), step.forward())
         self.take(step, step.drain())
         self.report.advance()
         if self.gpu is not None:
             replay, outputs = self.gpu.capture(step.forward)
             step.run = lambda: (replay(), outputs)[1]
 
-    def replay(self, steps: list[Step], seconds: float) -> None:
-        """Bursts of replays per step, round-robin until rank 0's time is up;
-        the ranks agree on stopping after each round, as they must stop
-        together."""
-        deadline = time.monotonic() + seconds
+    def replay(self, steps: list[Step], deadline: float) -> None:
+        """Bursts of replays, a step at a time round-robin, until rank 0's
+        `deadline` (each step once at least); the ranks agree on stopping
+        after each burst, as they must stop together."""
         self.report.advance(PHASE_REPLAY)
-        while True:
-            for step in steps:
-                self.burst(step)
-            done = torch.tensor([int(self.rank == 0 and time.monotonic() >= deadline)])
+        for turn in itertools.count(1):
+            self.burst(steps[(turn - 1) % len(steps)])
+            late = time.monotonic() >= deadline and turn >= len(steps)
+            done = torch.tensor([int(self.rank == 0 and late)])
             dist.all_reduce(done, op=dist.ReduceOp.MAX, group=self.tp_group.cpu_group)
             if done.item():
                 return
 
     def burst(self, step: Step) -> None:
-        """Replays queued back to back, each timed (CUDA events on GPUs),
-        then one synchronize, and the checks' records. After its check, each
-        normed output is filled with NaN: a call that writes nothing the
-        next time leaves NaN, not good numbers."""
-        marks: list[tuple[Any, Any]] = []
+        """Replays queued back to back, then the checks' records (the drain
+        waits for the device) and, with traffic, the last replay's fused
+        calls and traffic from the GPU's own timestamps. After its check,
+        each normed output is filled with NaN: a call that writes nothing
+        the next time leaves NaN, not good numbers."""
         for _ in range(REPLAYS_PER_SYNC[self.spec["device"]]):
             self.injected("before")
             self.report.advance()
-            step.load(self.replays)
-            start = self.gpu.event() if self.gpu else time.perf_counter()
+            sets = step.load(self.rotation)
             outputs = step.run()
-            marks.append((start, self.gpu.event() if self.gpu else time.perf_counter()))
             self.injected("after", outputs)
-            step.check(self.replays, outputs)
+            step.check(self.replays, sets, outputs)
             for normed, _ in outputs:
                 normed.fill_(float("nan"))
             self.replays += 1
             self.report.iterations += 1
             self.report.advance()
-        if self.gpu is not None:
-            self.gpu.synchronize()
-            step.seconds += [a.elapsed_time(b) / 1e3 for a, b in marks]
-        else:
-            step.seconds += [b - a for a, b in marks]
+        if self.traffic is not None:
+            covered, total = overlap_share(*self.traffic.spans())
+            step.overlap = [step.overlap[0] + covered, step.overlap[1] + total]
         self.take(step, step.drain())
         self.report.advance()
 

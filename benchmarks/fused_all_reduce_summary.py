@@ -14,7 +14,10 @@ def summarize(run: Any) -> dict[str, Any]:
     `run` is the launcher, after the run: its args, the ranks' events, the
     faults (the first, then their aftermath), and RankStates."""
     args, events, faults, ranks = run.args, run.events, run.faults, run.ranks
-    info: dict[str, Any] = next((e for e in events if e["event"] == "info"), {})
+    infos = sorted((e for e in events if e["event"] == "info"), key=lambda e: e["rank"])
+    info: dict[str, Any] = infos[0] if infos else {}
+    overlaps = [e["overlap"] for e in events if e["event"] == "overlap"]
+    covered, total = (sum(o[i] for o in overlaps) for i in (0, 1))
     configs = [e for e in events if e["event"] == "config" and e["rank"] == 0]
     iterations = min(s.progress["iterations"] for s in ranks)
     mismatches = sum(s.progress["mismatches"] for s in ranks)
@@ -45,6 +48,8 @@ def summarize(run: Any) -> dict[str, Any]:
         "backends": sorted({c["backend"] for c in configs}),
         "flashinfer": info.get("kernel"),
         "platform": info.get("platform"),
+        # Each rank's own device, as it reported it.
+        "devices": [(e.get("platform") or {}).get("device") for e in infos],
         "nodes": info.get("nodes"),
         "tp": args.tp,
         "device": args.device,
@@ -55,17 +60,17 @@ def summarize(run: Any) -> dict[str, Any]:
         ],
         "layers": args.layers,
         "input_sets": configs[0]["input_sets"] if configs else None,
-        # The step's launches in order, and per fused call the host traffic
-        # forked before it and not yet waited for.
+        # The step's launches in order: (stream, op, call or layer).
         "step_nodes": configs[0]["step_nodes"] if configs else [],
-        "in_flight": configs[0]["in_flight"] if configs else {},
+        # Of the fused calls' time in the last replay of each burst, the
+        # share with traffic in flight, from the GPU's event timestamps.
+        "traffic_overlap": round(covered / total, 3) if total else None,
         "iterations": iterations,
         "mismatches": mismatches,
         "mismatch_details": [e for e in events if e["event"] == "mismatch"],
         "known_issues": known,
         "faults": faults,
         "aftermath": run.aftermath,
-        "latency": latency_rows([e for e in events if e["event"] == "latency"]),
         # vLLM's lines about FlashInfer: the start-up line, the workspace's.
         "startup_lines": list(
             dict.fromkeys(line for e in events for line in e.get("lines", ()))
@@ -73,38 +78,19 @@ def summarize(run: Any) -> dict[str, Any]:
     }
 
 
-def latency_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per shape, the slowest rank's: the step's time per replay (its GEMMs,
-    fused calls and host traffic), and the time per fused call of the
-    graph that holds the fused calls alone."""
-    rows: dict[tuple, dict[str, Any]] = {}
-    for event in events:
-        for bucket in event["buckets"]:
-            key = (event["dtype"], event["hidden"], bucket["tokens"])
-            row = rows.setdefault(
-                key, {"dtype": key[0], "hidden": key[1], "tokens": key[2]}
-            )
-            for timed in ("step", "fused_call"):
-                for stat, value in bucket[timed].items():
-                    name = f"{timed}_{stat}_us"
-                    if value is not None:
-                        row[name] = max(row.get(name, 0.0), value * 1e6)
-    return list(rows.values())
-
-
 def traffic_line(result: dict[str, Any]) -> str:
-    """Which fused calls were launched with host traffic in flight."""
+    """How much of the fused calls' time had host traffic in flight."""
     if result["device"] == "cpu":
         return "none (CPU)"
     if not result["host_traffic_mib"]:
         return "none (--host-traffic-mib 0)"
-    calls = result["in_flight"].values()
-    busy = [names for names in calls if names]
-    gathers = [names for names in busy if any("gather" in n for n in names)]
+    share = result["traffic_overlap"]
+    measured = "not measured" if share is None else f"{100 * share:.0f}%"
     return (
-        f"{len(busy)} of {len(calls)} fused calls launched with host traffic in "
-        f"flight, {len(gathers)} of them across a HiSparse gather "
-        f"({result['host_traffic_mib']} MiB copied each way per step)"
+        f"in flight for {measured} of fused-call time (GPU event timestamps, "
+        "each burst's last replay); per call 4 MiB copied each way, per layer "
+        "a gather of 8 x 1024 misses over the "
+        f"{result['host_traffic_mib']} MiB pool"
     )
 
 
@@ -129,7 +115,8 @@ def format_summary(result: dict[str, Any]) -> str:
     where = "CPU (emulated kernel on gloo; no CUDA graphs, no host traffic)"
     if result["device"] == "cuda":
         where = (
-            f"{result['tp']} x {platform.get('gpu')} (sm {platform.get('capability')})"
+            f"{result['tp']} x {platform.get('gpu')} (sm {platform.get('capability')}"
+            f"; {', '.join(map(str, result['devices']))})"
         )
     reasons = f" ({'; '.join(result['reasons'])})" if result["reasons"] else ""
     backends = ", ".join(result["backends"]) or result["decided_backend"]
@@ -144,7 +131,7 @@ def format_summary(result: dict[str, Any]) -> str:
         (
             f"  replays     {result['iterations']} per rank in "
             f"{result['elapsed']:.0f}s; steps of {result['layers']} layers, two "
-            f"fused calls each; {result['input_sets']} input sets by call index"
+            f"fused calls each; {result['input_sets']} input sets by Lamport slot"
         ),
         f"  traffic     {traffic_line(result)}",
         f"  mismatches  {result['mismatches']}",
@@ -158,12 +145,4 @@ def format_summary(result: dict[str, Any]) -> str:
         f"  faults      {len(result['faults'])}",
         *(f"    {describe_fault(f)}" for f in result["faults"]),
     ]
-    timed = ("step_p50", "step_p99", "fused_call_p50", "fused_call_p99")
-    if result["latency"]:
-        heads = "".join(f"{t.replace('_', ' '):>15}" for t in timed)
-        lines.append(f"  time (us)   dtype hidden tokens{heads}")
-    for row in result["latency"]:
-        cells = "".join(f"{row.get(f'{t}_us', 0):15.1f}" for t in timed)
-        shape = f"{row['dtype']:5} {row['hidden']:6} {row['tokens']:6}"
-        lines.append(f"              {shape}{cells}")
     return "\n".join(lines)

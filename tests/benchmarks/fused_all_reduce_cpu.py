@@ -214,6 +214,16 @@ def install_cpu_kernel(op_module: Any, release: str) -> None:
     op_module.flashinfer_trtllm_fused_allreduce_norm = kernel
 
 
+def use_oneshot(
+    backend: str, tp_size: int, tokens: int, hidden: int, dtype: torch.dtype
+) -> bool:
+    """As on GPUs (fused_all_reduce_gpu.use_oneshot) without a device
+    capability: vLLM's op picks one-shot for trtllm, FlashInfer's AUTO by
+    size for mnnvl."""
+    size = tokens * hidden * tp_size * dtype.itemsize
+    return backend != "mnnvl" or size <= MNNVL_ONE_SHOT_THRESHOLD
+
+
 def op_max_token_num(tp_size: int, hidden: int, dtype: torch.dtype) -> int:
     element_size = torch.tensor([], dtype=dtype).element_size()
     return CPU_FUSION_MAX_SIZE_MB * MiB // (hidden * element_size)
