@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The PEP 517 and PEP 660 hooks, each handing over to its stage module.
+"""The PEP 517 hooks, each handing over to its stage module.
 
 Every input comes from pyproject.toml and the environment; ``-C`` settings
 are ignored with a warning, as flit and hatchling ignore them. The metadata
@@ -70,21 +70,9 @@ def build_wheel(
 
 
 @_hook
-def build_editable(
-    wheel_directory: str,
-    config_settings: ConfigSettings = None,
-    metadata_directory: str | None = None,
-) -> str:
-    """The upstream wheel, loading the tree's Python files from the tree."""
-    return pack.build(Path(wheel_directory), pins=load_pins(), editable=True)
-
-
-@_hook
 def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
     """The tree's files and this build tool."""
     return sdist.build_sdist(Path(sdist_directory), load_pins())
 
 
-get_requires_for_build_editable = get_requires_for_build_wheel
 get_requires_for_build_sdist = get_requires_for_build_wheel
-prepare_metadata_for_build_editable = prepare_metadata_for_build_wheel

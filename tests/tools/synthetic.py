@@ -444,21 +444,6 @@ def site_packages(python: Path) -> Path:
     return next(python.parents[1].glob("lib/python*/site-packages"))
 
 
-def pip_install(python: Path, *args: str, base: Path) -> None:
-    """``pip install ARGS`` into ``python``'s venv, with ``base`` as the base wheel."""
-    env = {**os.environ, LOCATION_ENV: str(base)}
-    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install"]
-    proc = run_limited([*cmd, "--no-deps", "--no-build-isolation", *args], env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def editable_install(where: Path, project: Path, base: Path) -> Path:
-    """``pip install -e project`` into a fresh scratch venv; return its python."""
-    python = scratch_venv(where)
-    pip_install(python, "-e", str(project), base=base)
-    return python
-
-
 def call_hook(
     project: Path,
     hook: str,
