@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import pack, sdist
-from .pins import DIST_NAME, check_python, load_pins, overlay_metadata
+from .pins import DIST_NAME, load_pins, overlay_metadata
 from .util import OverlayError
 
 # What a PEP 517 frontend passes for ``-C KEY=VALUE``.
@@ -21,13 +21,12 @@ ConfigSettings = Mapping[str, str | list[str]] | None
 
 
 def _hook(function: Callable) -> Callable:
-    """Check the Python version first, and print an OverlayError as one
-    message with exit status 1: pip shows it better than a traceback."""
+    """Print an OverlayError as one message with exit status 1: pip shows it
+    better than a traceback."""
 
     @functools.wraps(function)
     def run(*args, **kwargs):
         try:
-            check_python()
             return function(*args, **kwargs)
         except OverlayError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)

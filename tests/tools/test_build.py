@@ -292,6 +292,24 @@ def test_pip_dry_run_downloads_nothing_of_vllm(tmp_path: Path) -> None:
     assert not (tmp_path / "vllm-cache").exists()
 
 
+def test_pip_refuses_a_python_outside_the_base_range_before_a_build(
+    tmp_path: Path,
+) -> None:
+    """The base wheel's Requires-Python is in the METADATA pip is given."""
+    base = make_wheel(tmp_path)
+    project = scratch_project(tmp_path, base)
+    metadata = project / "tools" / "base_wheel_METADATA"
+    below = f"{sys.version_info.major}.{sys.version_info.minor}"
+    text = metadata.read_text().replace("\n", f"\nRequires-Python: <{below}\n", 1)
+    metadata.write_text(text)
+    python = scratch_venv(tmp_path)
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install"]
+    proc = run_limited([*cmd, "-v", "--no-deps", "--no-build-isolation", str(project)])
+    assert proc.returncode == 1
+    assert "requires a different Python" in proc.stdout + proc.stderr
+    assert "fetching" not in proc.stdout + proc.stderr  # build_wheel never ran
+
+
 @pytest.mark.parametrize(
     "hook", ["get_requires_for_build_wheel", "get_requires_for_build_sdist"]
 )
