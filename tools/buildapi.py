@@ -3,8 +3,8 @@
 """The PEP 517 hooks, each handing over to its stage module.
 
 Every input comes from pyproject.toml and the environment; ``-C`` settings
-are ignored with a warning, as flit and hatchling ignore them. The metadata
-hooks answer from the tree: ``pip install --dry-run .`` downloads nothing.
+are ignored. The metadata hook answers from the tree: ``pip install
+--dry-run .`` downloads nothing.
 """
 
 import functools
@@ -36,16 +36,6 @@ def _hook(function: Callable) -> Callable:
 
 
 @_hook
-def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
-    """Nothing beyond ``build-system.requires``; the first hook a frontend
-    calls, so the one that warns of the ``-C`` settings it ignores."""
-    for key, value in (config_settings or {}).items():
-        message = f"-C {key}={value} ignored: this build takes no settings"
-        print(f"warning: {message}", file=sys.stderr)
-    return []
-
-
-@_hook
 def prepare_metadata_for_build_wheel(
     metadata_directory: str, config_settings: ConfigSettings = None
 ) -> str:
@@ -72,6 +62,3 @@ def build_wheel(
 def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
     """The tree's files and this build tool."""
     return sdist.build_sdist(Path(sdist_directory), load_pins())
-
-
-get_requires_for_build_sdist = get_requires_for_build_wheel

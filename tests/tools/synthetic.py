@@ -447,24 +447,23 @@ def site_packages(python: Path) -> Path:
 def call_hook(
     project: Path,
     hook: str,
-    directory: Path | None,
+    directory: Path,
     settings: Mapping | None,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Call one PEP 517 hook of ``project``'s own backend, as a frontend does.
 
-    ``settings`` is the hook's ``config_settings`` (what ``-C`` gives); a
-    ``get_requires_*`` hook takes no directory. The hook's return value is
-    the last line of stdout.
+    ``settings`` is the hook's ``config_settings`` (what ``-C`` gives). The
+    hook's return value is the last line of stdout.
     """
     code = (
         "import json, sys; sys.path.insert(0, '.'); "
         "from tools import buildapi; "
         "hook = getattr(buildapi, sys.argv[1]); "
         "settings = json.loads(sys.argv[3]); "
-        "print(hook(settings) if sys.argv[2] == '-' else hook(sys.argv[2], settings))"
+        "print(hook(sys.argv[2], settings))"
     )
-    args = [hook, "-" if directory is None else str(directory), json.dumps(settings)]
+    args = [hook, str(directory), json.dumps(settings)]
     return run_limited(
         [sys.executable, "-c", code, *args],
         cwd=project,
