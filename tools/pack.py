@@ -25,9 +25,9 @@ from typing import IO
 from packaging.utils import parse_wheel_filename
 
 from .check import check_base_wheel, check_tree
-from .fetch import default_cache_dir, fetch_base_wheel
+from .fetch import fetch_base_wheel
 from .pins import DIST_NAME, REPO_ROOT, Pins, overlay_metadata
-from .util import OverlayError, log, replacing, source_date_epoch
+from .util import OverlayError, replacing, source_date_epoch
 
 VERSION_MODULE = "vllm/_version.py"
 _ZIP_EPOCH = 315532800  # 1980-01-01: the earliest time a zip entry can hold
@@ -45,9 +45,7 @@ def build(
     cache_dir: Path | None = None,
 ) -> str:
     """The whole build; returns the wheel's file name."""
-    started = time.monotonic()
     tree = (overlay_root or REPO_ROOT / DIST_NAME).parent
-    cache_dir = cache_dir or default_cache_dir()
     files = check_tree(pins, tree / DIST_NAME)  # before a download
     base = fetch_base_wheel(pins, location=location, cache_dir=cache_dir)
     check_base_wheel(pins, files, base)
@@ -57,7 +55,6 @@ def build(
         newest = max(info.date_time for info in zf.infolist())
     epoch = str(source_date_epoch() or calendar.timegm((*newest, 0, 0, 0)))
     repack(base, wheel_directory / name, pins, tree, files, epoch)
-    log(f"built {name} in {time.monotonic() - started:.1f} s")
     return name
 
 
