@@ -7,6 +7,8 @@ import os
 from importlib.metadata import version
 from pathlib import Path
 
+import overlay_finder
+import pytest
 import tree_imports
 
 from tools.pins import load_pins
@@ -30,3 +32,14 @@ def test_tree_is_the_default_source(overlay_modules):
 
 def test_installed_vllm_carries_the_local_label():
     assert version("vllm") == load_pins().version
+
+
+def test_the_finder_loads_only_dotted_names_inside_its_root(tmp_path: Path) -> None:
+    (tmp_path / "tree" / "vllm").mkdir(parents=True)
+    outside = tmp_path / "outside.py"
+    outside.write_text("raise AssertionError('ran a file outside the tree')\n")
+    (tmp_path / "tree" / "vllm" / "escape.py").symlink_to(outside)
+    finder = overlay_finder.OverlayFinder(tmp_path / "tree", (), "")
+    assert finder.find_spec(f"vllm.{outside.with_suffix('')}") is None
+    with pytest.raises(ImportError, match=f"resolves to {outside}, outside"):
+        finder.find_spec("vllm.escape")

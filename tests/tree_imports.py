@@ -3,10 +3,10 @@
 """Import this tree's vLLM modules instead of the installed copies.
 
 `pip install .` puts our files into site-packages, but a test run must
-exercise the working tree, never a stale installed copy. This installs the
-same meta-path finder as the editable install (tools/finder.py): each
-module under the repo's `vllm/`, replaced or added, comes from its file here;
-the rest of vLLM still comes from the installed wheel.
+exercise the working tree, never a stale installed copy. This installs a
+meta-path finder (overlay_finder.py): each module under the repo's `vllm/`,
+replaced or added, comes from its file here; the rest of vLLM still comes
+from the installed wheel.
 
 With source "stock", the replaced modules come from the pinned vllm
 base wheel instead, and the modules we add are not importable at all, as in
@@ -22,13 +22,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import overlay_finder
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The build tool is the package tools/ at the repository's root, as the
 # build frontend's backend-path puts it.
 if str(REPO_ROOT) not in sys.path:
     sys.path.append(str(REPO_ROOT))
 
-from tools import check, fetch, finder, pins, util  # noqa: E402
+from tools import check, fetch, pins, util  # noqa: E402
 
 SOURCE_ENV = "VLLM_PATCH_TEST_SOURCE"
 SOURCES = ("tree", "stock")
@@ -136,7 +138,7 @@ def install(source: str | None = None) -> dict[str, Path]:
         root, files = stock_root(), replaced_files()
         hidden = [_module_name(rel) for rel in added_files()]
     modules = {_module_name(rel): root / rel for rel in files}
-    finder.install(
+    overlay_finder.install(
         root, hidden=hidden, why_hidden="added by this patch; stock vLLM lacks it"
     )
     os.environ[SOURCE_ENV] = source

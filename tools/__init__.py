@@ -4,6 +4,5 @@
 
 Imports run one way, down: ``buildapi`` and ``__main__`` (the PEP 517 hooks;
 ``python -m tools diff|rebase``), ``rebase``, ``sdist``, ``pack``, ``check``,
-``fetch``, ``pins``, ``util``. ``finder``, the editable install's import
-hook, imports nothing from here.
+``fetch``, ``pins``, ``util``.
 """

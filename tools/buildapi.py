@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The PEP 517 and PEP 660 hooks, each handing over to its stage module.
+"""The PEP 517 hooks, each handing over to its stage module.
 
 Every input comes from pyproject.toml and the environment; ``-C`` settings
-are ignored with a warning, as flit and hatchling ignore them. The metadata
-hooks answer from the tree: ``pip install --dry-run .`` downloads nothing.
+are ignored. The metadata hook answers from the tree: ``pip install
+--dry-run .`` downloads nothing.
 """
 
 import functools
@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import pack, sdist
-from .pins import DIST_NAME, check_python, load_pins, overlay_metadata
+from .pins import DIST_NAME, load_pins, overlay_metadata
 from .util import OverlayError
 
 # What a PEP 517 frontend passes for ``-C KEY=VALUE``.
@@ -21,29 +21,18 @@ ConfigSettings = Mapping[str, str | list[str]] | None
 
 
 def _hook(function: Callable) -> Callable:
-    """Check the Python version first, and print an OverlayError as one
-    message with exit status 1: pip shows it better than a traceback."""
+    """Print an OverlayError as one message with exit status 1: pip shows it
+    better than a traceback."""
 
     @functools.wraps(function)
     def run(*args, **kwargs):
         try:
-            check_python()
             return function(*args, **kwargs)
         except OverlayError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
 
     return run
-
-
-@_hook
-def get_requires_for_build_wheel(config_settings: ConfigSettings = None) -> list[str]:
-    """Nothing beyond ``build-system.requires``; the first hook a frontend
-    calls, so the one that warns of the ``-C`` settings it ignores."""
-    for key, value in (config_settings or {}).items():
-        message = f"-C {key}={value} ignored: this build takes no settings"
-        print(f"warning: {message}", file=sys.stderr)
-    return []
 
 
 @_hook
@@ -70,21 +59,6 @@ def build_wheel(
 
 
 @_hook
-def build_editable(
-    wheel_directory: str,
-    config_settings: ConfigSettings = None,
-    metadata_directory: str | None = None,
-) -> str:
-    """The upstream wheel, loading the tree's Python files from the tree."""
-    return pack.build(Path(wheel_directory), pins=load_pins(), editable=True)
-
-
-@_hook
 def build_sdist(sdist_directory: str, config_settings: ConfigSettings = None) -> str:
     """The tree's files and this build tool."""
     return sdist.build_sdist(Path(sdist_directory), load_pins())
-
-
-get_requires_for_build_editable = get_requires_for_build_wheel
-get_requires_for_build_sdist = get_requires_for_build_wheel
-prepare_metadata_for_build_editable = prepare_metadata_for_build_wheel

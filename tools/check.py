@@ -44,8 +44,6 @@ def collect_overlay(overlay_root: Path) -> list[Path]:
             f"{', '.join(str(p) for p in odd)}: a symlink or other non-regular "
             "file, which a wheel cannot hold.\nFix: make it a regular file"
         )
-    if not files:
-        raise OverlayError(f"nothing to overlay: no files under {overlay_root}")
     return files
 
 

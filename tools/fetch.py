@@ -70,9 +70,8 @@ def fetch_base_wheel(
     cached = cache_folder(cache_dir or default_cache_dir()) / wanted
     if cached.is_file() and sha256_of(cached) == pins.sha256[wanted]:
         return cached
-    if cached.is_file():
-        log(f"{cached} does not match its pin: removing it, fetching it again")
-        cached.unlink()
+    if cached.is_file():  # the download replaces it
+        log(f"{cached} does not match its pin: fetching it again")
     hashes = [f"--hash=sha256:{pin}" for pin in sorted(pins.sha256.values())]
     return pip_download(
         " ".join([pins.requirement, *hashes]),

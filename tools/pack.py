@@ -7,8 +7,6 @@ Only the members that change are held in memory; the rest is copied from the
 base wheel in chunks, each hashed on the way for RECORD. Fixed modes, and
 times from ``SOURCE_DATE_EPOCH`` or the base wheel's newest, make builds
 reproducible. The wheel is written beside its final name and renamed to it.
-An editable wheel carries the import hook (``finder.py``) and a ``.pth``
-that starts it instead of the tree's Python files.
 """
 
 import ast
@@ -27,14 +25,11 @@ from typing import IO
 from packaging.utils import parse_wheel_filename
 
 from .check import check_base_wheel, check_tree
-from .fetch import default_cache_dir, fetch_base_wheel
-from .finder import pth_line
+from .fetch import fetch_base_wheel
 from .pins import DIST_NAME, REPO_ROOT, Pins, overlay_metadata
-from .util import OverlayError, log, replacing, source_date_epoch
+from .util import OverlayError, replacing, source_date_epoch
 
 VERSION_MODULE = "vllm/_version.py"
-EDITABLE_FINDER = "_vllm_overlay_finder"
-EDITABLE_PTH = "_vllm_overlay_editable.pth"
 _ZIP_EPOCH = 315532800  # 1980-01-01: the earliest time a zip entry can hold
 _CHUNK = 1 << 20  # bytes copied at a time: the base wheel holds a 308 MB .so
 _VERSION_LINE = re.compile(r"^(__version__ = version = ).*$", re.M)
@@ -48,12 +43,9 @@ def build(
     overlay_root: Path | None = None,
     location: str | None = None,
     cache_dir: Path | None = None,
-    editable: bool = False,
 ) -> str:
     """The whole build; returns the wheel's file name."""
-    started = time.monotonic()
     tree = (overlay_root or REPO_ROOT / DIST_NAME).parent
-    cache_dir = cache_dir or default_cache_dir()
     files = check_tree(pins, tree / DIST_NAME)  # before a download
     base = fetch_base_wheel(pins, location=location, cache_dir=cache_dir)
     check_base_wheel(pins, files, base)
@@ -62,8 +54,7 @@ def build(
     with zipfile.ZipFile(base) as zf:  # the default time: the base wheel's
         newest = max(info.date_time for info in zf.infolist())
     epoch = str(source_date_epoch() or calendar.timegm((*newest, 0, 0, 0)))
-    repack(base, wheel_directory / name, pins, tree, files, editable, epoch)
-    log(f"built {name} in {time.monotonic() - started:.1f} s")
+    repack(base, wheel_directory / name, pins, tree, files, epoch)
     return name
 
 
@@ -73,7 +64,6 @@ def repack(
     pins: Pins,
     tree: Path,
     files: list[Path],
-    editable: bool,
     epoch: str,
 ) -> None:
     """Overlay, relabel and pack once into ``target``: the members that change
@@ -85,20 +75,13 @@ def repack(
         dist_info = next(n.split("/")[0] for n in members if ".dist-info/" in n)
 
         ours = {f.as_posix(): tree / f for f in files}
-        dropped = {name for name in ours if editable and name.endswith(".py")}
-        changed = {n: path.read_bytes() for n, path in ours.items() if n not in dropped}
-        if editable:
-            changed[f"{EDITABLE_FINDER}.py"] = (
-                Path(__file__).with_name("finder.py").read_bytes()
-            )
-            changed[EDITABLE_PTH] = pth_line(EDITABLE_FINDER, tree.resolve()).encode()
-            log(f"editable: the vllm modules under {tree} load from there")
+        changed = {name: path.read_bytes() for name, path in ours.items()}
         wheel_file = f"{dist_info}/WHEEL"
         changed[wheel_file] = with_tags(src.read(wheel_file), base_wheel.name)
         version = src.read(VERSION_MODULE) if VERSION_MODULE in members else b""
         changed[VERSION_MODULE] = with_version(version, pins)
         changed[f"{dist_info}/METADATA"] = overlay_metadata(pins)
-        names = (set(members) | set(changed)) - dropped - {f"{dist_info}/RECORD"}
+        names = (set(members) | set(changed)) - {f"{dist_info}/RECORD"}
         date_time = time.gmtime(max(int(epoch), _ZIP_EPOCH))[:6]
         new_dist_info = f"{DIST_NAME}-{pins.version}.dist-info/"
         last = f"{dist_info}/"

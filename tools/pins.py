@@ -3,8 +3,9 @@
 """What the build is: ``[tool.vllm-overlay]``, and the METADATA it gives pip.
 
 ``tools/base_wheel_METADATA`` is the pinned release's METADATA, byte for
-byte, so the build's is known before any download. This module imports on
-Python 3.10 (no tomllib), so such a Python is told what to do.
+byte, so the build's is known before any download, and pip refuses a Python
+outside its Requires-Python. This module imports on Python 3.10 (no
+tomllib), so such a Python is told what to do.
 """
 
 import email.parser
@@ -20,11 +21,10 @@ from pathlib import Path
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python < 3.11: check_python() says so
+except ModuleNotFoundError:  # Python < 3.11: load_pins says so
     tomllib = None  # type: ignore[assignment]
 
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
@@ -70,6 +70,12 @@ class Pins:
 
 def load_pins(pyproject: Path = PYPROJECT) -> Pins:
     """Read and check ``[tool.vllm-overlay]``."""
+    if tomllib is None:  # before pip has a Requires-Python to refuse
+        raise OverlayError(
+            f"this vLLM build needs Python 3.11 or newer, but this is Python "
+            f"{sys.version.split()[0]} ({sys.executable}).\nFix: run pip with a "
+            "newer Python, e.g. python3.12 -m pip install ."
+        )
     try:
         with pyproject.open("rb") as f:
             table = tomllib.load(f)["tool"][CONFIG_TABLE]
@@ -100,18 +106,6 @@ def load_pins(pyproject: Path = PYPROJECT) -> Pins:
 
 def parse_metadata(data: bytes) -> Message:
     return email.parser.BytesParser(policy=email.policy.compat32).parsebytes(data)
-
-
-def check_python(version: tuple | None = None) -> None:
-    """Stop before any download when this Python cannot run the base wheel."""
-    spec = parse_metadata((REPO_ROOT / BASE_METADATA).read_bytes())["Requires-Python"]
-    found = ".".join(map(str, (version or sys.version_info)[:3]))
-    if spec and found not in SpecifierSet(spec, prereleases=True):
-        raise OverlayError(
-            f"this vLLM build needs Python {spec} (the base wheel's range), but "
-            f"this is Python {found} ({sys.executable}).\nFix: run pip with a "
-            "Python in that range, e.g. python3.12 -m pip install ."
-        )
 
 
 def overlay_metadata(pins: Pins) -> bytes:

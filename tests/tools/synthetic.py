@@ -444,42 +444,26 @@ def site_packages(python: Path) -> Path:
     return next(python.parents[1].glob("lib/python*/site-packages"))
 
 
-def pip_install(python: Path, *args: str, base: Path) -> None:
-    """``pip install ARGS`` into ``python``'s venv, with ``base`` as the base wheel."""
-    env = {**os.environ, LOCATION_ENV: str(base)}
-    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install"]
-    proc = run_limited([*cmd, "--no-deps", "--no-build-isolation", *args], env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def editable_install(where: Path, project: Path, base: Path) -> Path:
-    """``pip install -e project`` into a fresh scratch venv; return its python."""
-    python = scratch_venv(where)
-    pip_install(python, "-e", str(project), base=base)
-    return python
-
-
 def call_hook(
     project: Path,
     hook: str,
-    directory: Path | None,
+    directory: Path,
     settings: Mapping | None,
     env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Call one PEP 517 hook of ``project``'s own backend, as a frontend does.
 
-    ``settings`` is the hook's ``config_settings`` (what ``-C`` gives); a
-    ``get_requires_*`` hook takes no directory. The hook's return value is
-    the last line of stdout.
+    ``settings`` is the hook's ``config_settings`` (what ``-C`` gives). The
+    hook's return value is the last line of stdout.
     """
     code = (
         "import json, sys; sys.path.insert(0, '.'); "
         "from tools import buildapi; "
         "hook = getattr(buildapi, sys.argv[1]); "
         "settings = json.loads(sys.argv[3]); "
-        "print(hook(settings) if sys.argv[2] == '-' else hook(sys.argv[2], settings))"
+        "print(hook(sys.argv[2], settings))"
     )
-    args = [hook, "-" if directory is None else str(directory), json.dumps(settings)]
+    args = [hook, str(directory), json.dumps(settings)]
     return run_limited(
         [sys.executable, "-c", code, *args],
         cwd=project,

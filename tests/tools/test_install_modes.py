@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The ways people install vLLM: wheel, editable, sdist, over stock.
+"""The ways people install vLLM: wheel, sdist, over stock.
 
 All on tiny synthetic base wheels, with pip cut off from every index (the
 offline_pip fixture, tests/tools/conftest.py).
@@ -18,13 +18,11 @@ import tree_imports
 from synthetic import (
     PATCHED,
     PATCHED_SOURCE,
-    editable_install,
     make_wheel,
     read_member,
     run_limited,
     scratch_project,
     scratch_venv,
-    site_packages,
 )
 
 from tools import buildapi, check, pack
@@ -115,44 +113,6 @@ def test_python_m_build_round_trip(tmp_path: Path) -> None:
         "vllm-0.33.0+hisparse1-py3-none-any.whl",
         "vllm-0.33.0+hisparse1.tar.gz",
     ]
-
-
-def test_editable_install_imports_the_working_tree(tmp_path: Path) -> None:
-    base = make_wheel(tmp_path)
-    project = scratch_project(tmp_path, base)
-    python = editable_install(tmp_path, project, base)
-
-    module = ".".join(PATCHED.with_suffix("").parts)
-    probe = (
-        "import vllm, vllm._version as v, importlib.metadata as md\n"
-        f"import {module} as m\n"
-        "print(m.STOCK, m.__file__, v.__version__, md.version('vllm'))\n"
-    )
-
-    def run_probe() -> list[str]:
-        # A fresh interpreter each time, as a restarted `vllm serve` is.
-        proc = run_limited([str(python), "-c", probe], cwd=tmp_path)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc.stdout.split()
-
-    tree_file = project / PATCHED
-    stock, path, version, dist_version = run_probe()
-    assert (stock, Path(path)) == ("False", tree_file)
-    assert version == dist_version == "0.33.0+hisparse1"
-
-    tree_file.write_text("STOCK = 'edited'\n")
-    assert run_probe()[0] == "edited"
-
-    # A module the tree adds later is found too, without reinstalling.
-    (tree_file.parent / "added_helper.py").write_text("VALUE = 7\n")
-    added = module.rsplit(".", 1)[0] + ".added_helper"
-    proc = run_limited([str(python), "-c", f"import {added} as a; print(a.VALUE)"])
-    assert proc.stdout.strip() == "7", proc.stderr
-
-    # The installed tree does not hold a stale copy of the replaced file.
-    site = site_packages(python)
-    assert not (site / PATCHED).exists()
-    assert (site / "vllm" / "__init__.py").is_file()
 
 
 def _load_backend_of(project: Path):

@@ -2,16 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Import vLLM modules from a source tree ahead of the installed wheel.
 
-``pip install -e .`` ships this file with a ``.pth`` file that starts it;
-``tests/tree_imports.py`` installs it in-process. It looks on each import,
-so a module added to the tree later is found without reinstalling. It runs
-at every start-up, so it imports only what start-up has loaded already.
+``tree_imports.install`` puts it first on ``sys.meta_path``. It looks on each
+import, so a module added to the tree later is found without reinstalling.
 """
 
 import os
 import sys
-from _frozen_importlib import ModuleSpec
-from _frozen_importlib_external import PathFinder, spec_from_file_location
+from importlib.machinery import ModuleSpec, PathFinder
+from importlib.util import spec_from_file_location
 
 
 class OverlayFinder:
@@ -61,14 +59,6 @@ class OverlayFinder:
             spec = spec or ModuleSpec(fullname, None, is_package=True)
             tail = spec.submodule_search_locations or ()
             spec.submodule_search_locations = [self._inside(base), *tail]
-            return spec
-        if spec is None and not os.path.isdir(os.path.join(self.root, self.package)):
-            raise ModuleNotFoundError(
-                f"No module named {fullname!r}: the editable vllm install loads "
-                f"it from {self.root}, which is gone; run `pip install -e .` "
-                "from the checkout's new place, or `pip install .`",
-                name=fullname,
-            )
         return spec
 
     def _inside(self, path: str) -> str:
@@ -76,7 +66,7 @@ class OverlayFinder:
         real = os.path.realpath(path)
         if not real.startswith(self.root + os.sep):
             raise ImportError(
-                f"{path} resolves to {real}, outside {self.root}; the vllm "
+                f"{path} resolves to {real}, outside {self.root}; the tests' "
                 "import hook only loads files inside the checkout"
             )
         return path
@@ -101,8 +91,3 @@ def install(
     finder = OverlayFinder(root, hidden, why_hidden)
     sys.meta_path.insert(0, finder)  # type: ignore[arg-type]  # list, not Sequence
     return finder
-
-
-def pth_line(module: str, root: str | os.PathLike[str]) -> str:
-    """The ``.pth`` line that starts this file, installed as ``module``."""
-    return f"import {module}; {module}.install({os.fspath(root)!r})\n"
