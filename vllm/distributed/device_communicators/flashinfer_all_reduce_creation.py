@@ -3,14 +3,11 @@
 # Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
 #  goes away with it.
 """A FlashInfer all-reduce workspace creation that ends the same way on every
-rank of its group, within a bound, with every rank's error in the log.
+rank of its group, within a bound. Once the kernels load, FlashInfer's
+collectives and the vote go over the group's store, each wait ending at one
+deadline: never on vLLM's group (30 minutes for gloo), nor on a process
+group of our own (see flashinfer_all_reduce_group)."""
 
-Once the kernels load, everything goes over the group's store: FlashInfer's
-collectives, then a vote, each wait ending at one deadline. No rank waits
-on vLLM's group (30 minutes for gloo) for a rank that died or hangs, and no
-process group of our own is made (see flashinfer_all_reduce_group)."""
-
-import contextlib
 import functools
 import importlib
 import os
@@ -88,8 +85,7 @@ class Creation:
         self.warnings: list[str] = []
         self.steps = 0
         self.stopped: tuple[int, list[int]] | None = None
-        """The step where this rank stopped, and the ranks it stopped for:
-        none left the creation, they did not answer within the bound."""
+        """The step where this rank stopped, and the ranks it stopped for."""
 
     def comm_backend(self, after: Any) -> "Creation":
         """Itself; `after`'s collectives on vLLM's group once the creation
@@ -171,9 +167,8 @@ class Creation:
         self.done = True
         try:
             return workspace, *self._vote(workspace, raised), raised
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self._remove(self._written)
+        except BaseException:  # the store failed: remove what this rank can
+            self._remove(self._written)
             raise
 
     def _vote(self, workspace: Any, raised: Exception | None) -> tuple[str, str]:

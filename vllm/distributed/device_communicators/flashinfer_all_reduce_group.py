@@ -36,13 +36,14 @@ logger = init_logger(__name__)
 
 # The workspace dtypes a group decides for; None is the dtype not yet known.
 _DTYPE_KEYS = (None, *FI_AR_DTYPES)
+Decisions = dict[str | None, FiArBackendDecision]
 
 
 @dataclasses.dataclass
-class GroupAgreement:
+class Agreement:
     """What every rank of a group agreed on, and how its creations went."""
 
-    decisions: dict[str | None, FiArBackendDecision]
+    decisions: Decisions
     node_count: int
     failed: set[str] = dataclasses.field(default_factory=set)
     """The backends whose creation every rank gave up: not tried again."""
@@ -52,12 +53,10 @@ class GroupAgreement:
 
 
 # Held weakly, so that per-group state goes with its group.
-_groups: weakref.WeakKeyDictionary[ProcessGroup, GroupAgreement] = (
-    weakref.WeakKeyDictionary()
-)
+_groups = weakref.WeakKeyDictionary[ProcessGroup, Agreement]()
 
 
-def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> GroupAgreement:
+def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Agreement:
     """The group's state, agreed by its ranks on first use, under `config`
     (the vLLM config current then)."""
     if group not in _groups:
@@ -105,9 +104,7 @@ def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _decide_every_dtype(
-    inputs: FiArBackendInputs,
-) -> dict[str | None, FiArBackendDecision]:
+def _decide_every_dtype(inputs: FiArBackendInputs) -> Decisions:
     """A known issue may hit one dtype only."""
     return {
         key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
@@ -115,7 +112,7 @@ def _decide_every_dtype(
     }
 
 
-def _agree(group: ProcessGroup, config: VllmConfig | None) -> GroupAgreement:
+def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
     """Decide for every workspace dtype and agree, in one round that also
     carries each rank's NVLink fabric probe where mnnvl would span nodes.
 
@@ -157,15 +154,15 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> GroupAgreement:
             )
         off = FiArBackendDecision(None, False, "the ranks disagree")
         decisions = dict.fromkeys(_DTYPE_KEYS, off)
-        return GroupAgreement(decisions, inputs.node_count, logged={off})
+        return Agreement(decisions, inputs.node_count, logged={off})
     if no_fabric := tuple(r for r, (_, ok) in zip(ranks, views, strict=True) if not ok):
         decisions = _decide_every_dtype(
             dataclasses.replace(inputs, no_fabric=no_fabric)
         )
-    return GroupAgreement(decisions, inputs.node_count)
+    return Agreement(decisions, inputs.node_count)
 
 
-def _log_once(group: ProcessGroup, state: GroupAgreement, key: str | None) -> None:
+def _log_once(group: ProcessGroup, state: Agreement, key: str | None) -> None:
     """The start-up line, from the group's own rank 0 whatever its local rank
     (vLLM's *_once lines print on each node's local rank 0), once per
     group: the first workspace dtype's backend, then a line for each later
