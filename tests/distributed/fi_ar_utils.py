@@ -815,16 +815,16 @@ def creation_keys_left(group: Any) -> list[str]:
     its store, as the patch names them."""
     import torch.distributed as dist
 
-    store, size = group.get_group_store(), dist.get_world_size(group)
+    size = dist.get_world_size(group)
     names = [f"{s}/{r}" for s in range(4) for r in range(size)]
     names += [f"vote/{r}" for r in range(size)] + ["decision", "left"]
-    return [
-        key
-        for backend in ("mnnvl", "trtllm")
-        for n in (1, 2, 3)
-        for name in names
-        if store.check([key := f"vllm-fi-ar/{backend}/{n}/{name}"])
-    ]
+    left = []
+    for prefix in (
+        f"vllm-fi-ar/{b}/{n}/" for b in ("mnnvl", "trtllm") for n in (1, 2, 3)
+    ):
+        store = dist.PrefixStore(prefix, group.get_group_store())
+        left += [prefix + name for name in names if store.check([name])]
+    return left
 
 
 def _acquire(
