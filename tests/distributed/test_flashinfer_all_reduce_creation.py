@@ -432,3 +432,48 @@ def test_upstreams_own_errors_propagate(fi_ar, fake_ws, cpu_group, monkeypatch):
     )
     with pytest.raises(RuntimeError, match="different process group"):
         fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group, world_size=1))
+
+
+def test_the_bound_is_a_setting(monkeypatch):
+    """Read as vllm.envs reads its variables: the default, a whole number of
+    seconds, or a one-line error naming the variable."""
+    creation = importlib.import_module(CREATION_MODULE)
+    monkeypatch.delenv(creation.FI_AR_CREATE_TIMEOUT_ENV, raising=False)
+    assert creation.create_timeout_s() == creation.FI_AR_CREATE_TIMEOUT_S == 300
+    monkeypatch.setenv(creation.FI_AR_CREATE_TIMEOUT_ENV, "45")
+    assert creation.create_timeout_s() == 45
+    for bad in ("0", "-5", "1.5", "soon"):
+        monkeypatch.setenv(creation.FI_AR_CREATE_TIMEOUT_ENV, bad)
+        with pytest.raises(
+            ValueError, match=f"FLASHINFER_ALLREDUCE_CREATE_TIMEOUT_S={bad!r}"
+        ):
+            creation.create_timeout_s()
+
+
+def test_a_dtype_clause_only_once_that_dtype_is_asked_for(
+    fi_ar, cpu_group, installed_flashinfer
+):
+    """On unfixed kernels float16 gets trtllm: a bf16 deployment's start-up
+    line says nothing of it; a float16 workspace gets a line of its own."""
+    import logging
+
+    import torch
+    from fi_ar_utils import _LogCollector
+
+    installed_flashinfer(flashinfer="0.7.2.post1")
+    lines, vllm_logger = _LogCollector(), logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.addHandler(lines)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        for dtype in (None, torch.bfloat16, torch.float16, torch.float16):
+            fi_ar._resolve_fi_ar_backend(cpu_group, dtype)
+    finally:
+        vllm_logger.removeHandler(lines)
+        vllm_logger.setLevel(level)
+    first, fp16 = [m for m in lines.lines if "backend for ranks" in m]
+    assert first.startswith("INFO FlashInfer all-reduce backend for ranks (0,): mnnvl")
+    assert "float16" not in first
+    assert fp16.startswith(
+        "INFO FlashInfer all-reduce backend for ranks (0,): float16: trtllm"
+    )
