@@ -38,6 +38,7 @@ POLICY_MODULE = f"{MODULE}_policy"
 GROUP_MODULE = f"{MODULE}_group"
 CREATION_MODULE = f"{MODULE}_creation"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
+CREATE_TIMEOUT_ENV = "VLLM_FLASHINFER_ALLREDUCE_CREATE_TIMEOUT_S"
 HIDDEN_DIM = 4096
 # A flashinfer-python release without the fixes of 0.7.4, for the cases
 # where its kernels load, and the case key that installs it.
@@ -90,6 +91,9 @@ class FakeWorkspaceFactory:
     is how long this rank takes before the exchange; `multicast` is what an
     mnnvl workspace reports; `returns` is what it returns instead of a new
     workspace. `sizes` records each creation's backend and token count.
+    Through a comm backend it makes two exchanges, as FlashInfer makes
+    several: the arguments, then a barrier; `exit_at` is the exchange
+    (0 or 1) at which this rank's process exits.
     """
 
     fail: set[str] = field(default_factory=set)
@@ -97,6 +101,7 @@ class FakeWorkspaceFactory:
     late_seconds: float = 0.0
     multicast: bool = True
     returns: Any = None
+    exit_at: int | None = None
     log: list[str] = field(default_factory=list)
     sizes: list[tuple[str, int]] = field(default_factory=list)
 
@@ -125,8 +130,13 @@ class FakeWorkspaceFactory:
             ).get_trtllm_comm_module()
         if group is not None and dist.get_world_size(group) > 1:
             mine = (backend, kwargs.get("max_token_num"), kwargs.get("hidden_dim"))
+            if self.exit_at == 0:
+                os._exit(0)
             if comm_backend is not None:
                 everyone = list(comm_backend.allgather(mine))
+                if self.exit_at == 1:
+                    os._exit(0)
+                comm_backend.barrier()
             else:
                 everyone = [None] * dist.get_world_size(group)
                 dist.all_gather_object(everyone, mine, group=group)
@@ -383,11 +393,15 @@ def run_group(
     nnodes: int = 1,
     ranks_per_node: int = 2,
     timeout: float = 240,
+    vllm_groups: bool = False,
 ) -> list[dict[str, dict[str, Any]]]:
     """Run `cases` on a gloo group; return, per rank, each case's result.
 
     Each node's ranks share a mount namespace with a private /dev/shm, which
     is how vLLM tells nodes apart. The whole group is killed on `timeout`.
+    With `vllm_groups`, the world is vLLM's (init_distributed_environment,
+    each rank's local rank its rank on its node) and a case's `tp_pp` gives
+    vLLM's model-parallel groups (initialize_model_parallel).
     """
     world_size = nnodes * ranks_per_node
     with tempfile.TemporaryDirectory(prefix="fi-ar-group-") as tmp:
@@ -397,6 +411,8 @@ def run_group(
                 {
                     "world_size": world_size,
                     "port": free_port(),
+                    "ranks_per_node": ranks_per_node,
+                    "vllm_groups": vllm_groups,
                     "cases": cases,
                     "out": tmp,
                 }
@@ -528,7 +544,7 @@ class CollectiveCounter:
         if _has_module(CREATION_MODULE):
             import importlib
 
-            comm = importlib.import_module(CREATION_MODULE)._CreationCommBackend
+            comm = importlib.import_module(CREATION_MODULE).Creation
             patch.setattr(comm, "_exchange", self._counting(comm._exchange))
         probe = parallel_state.in_the_same_node_as
         patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
@@ -588,12 +604,23 @@ def _run_rank(rank: int, spec_path: str) -> None:
 
     logging.getLogger("vllm").setLevel(logging.INFO)
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{spec['port']}",
-        rank=rank,
-        world_size=spec["world_size"],
-    )
+    if spec["vllm_groups"]:
+        from vllm.distributed import init_distributed_environment
+
+        init_distributed_environment(
+            world_size=spec["world_size"],
+            rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{spec['port']}",
+            local_rank=rank % spec["ranks_per_node"],
+            backend="gloo",
+        )
+    else:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{spec['port']}",
+            rank=rank,
+            world_size=spec["world_size"],
+        )
     out = Path(spec["out"], f"rank{rank}.jsonl")
     for case in spec["cases"]:
         result = _run_case(rank, case)
@@ -646,9 +673,12 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     ("standalone": the standalone all-reduce's first call creates the
     workspace, before the fusion pass), idle (this rank's group acquires
     nothing) and foreign_workspace (FlashInfer returns a workspace vLLM
-    already tied to the world group), flashinfer (the flashinfer-python
-    release installed, faked as write_synthetic_flashinfer does; by default
-    the real one); `per_rank` maps a rank to overrides of any of them.
+    already tied to the world group), exit_at (see FakeWorkspaceFactory),
+    tp_pp ([TP, PP] sizes of vLLM's groups, see run_group), keys_left (the
+    creations' keys left in the group's store, a moment after) and
+    flashinfer (the flashinfer-python release installed, faked as
+    write_synthetic_flashinfer does; by default the real one); `per_rank`
+    maps a rank to overrides of any of them.
     Each case gets a new gloo group, as a new engine would, so per-group
     state starts cold. The result counts collective rounds and node probes,
     and times the acquisition.
@@ -672,6 +702,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         fail_before=set(case.get("fail_before", [])),
         late_seconds=case.get("late_seconds", 0.0),
         multicast=case.get("multicast", True),
+        exit_at=case.get("exit_at"),
     )
     device = FakeFlashInferDevice(
         fabric=case.get("fabric", True),
@@ -683,6 +714,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     reset_log_once()
     logging.getLogger("vllm").addHandler(messages)
     try:
+        group = _case_group(rank, case)
         pin_gpu(patch, case.get("capability", 100))
         device.install(patch)
         if "flashinfer" in case:
@@ -692,10 +724,8 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         patch.setattr(
             fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
         )
-        if "bound" in case and _has_module(CREATION_MODULE):
-            # Stock vLLM has no bound to set.
-            creation = importlib.import_module(CREATION_MODULE)
-            patch.setattr(creation, "FI_AR_CREATE_TIMEOUT_S", case["bound"])
+        if "bound" in case:
+            patch.setenv(CREATE_TIMEOUT_ENV, str(case["bound"]))
         if "tuned" in case:
             *row, size_mb = case["tuned"]
             patch.setitem(fi_ar.FI_MNNVL_ALLREDUCE_MAX_SIZE_MB, tuple(row), size_mb)
@@ -703,10 +733,6 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             factory.returns = FakeWorkspace("mnnvl", True, factory.log)
             fi_ar._fi_ar_workspace_groups[id(factory.returns)] = dist.group.WORLD
         config = build_config(case.get("hisparse", "off"))
-        # Every rank makes every TP group, as vLLM's GroupCoordinator does.
-        tp_groups = case.get("tp", [list(range(dist.get_world_size()))])
-        made = [dist.new_group(ranks, backend="gloo") for ranks in tp_groups]
-        group = next(g for g, r in zip(made, tp_groups, strict=True) if rank in r)
         args = dict(
             world_size=dist.get_world_size(group),
             rank=dist.get_rank(group),
@@ -718,10 +744,15 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         counter = CollectiveCounter()
         counter.install(patch)
         start = time.perf_counter()
-        if not case.get("idle"):
-            with set_current_vllm_config(config):
-                _acquire(fi_ar, case, args, result, device.loads)
-        result["seconds"] = time.perf_counter() - start
+        try:
+            if not case.get("idle"):
+                with set_current_vllm_config(config):
+                    _acquire(fi_ar, case, args, result, device.loads)
+        finally:
+            result["seconds"] = time.perf_counter() - start
+            if case.get("keys_left"):
+                time.sleep(2)  # the last rank out removes the keys
+                result["keys_left"] = creation_keys_left(group)
         if case.get("reacquire"):
             # As after a recompile or sleep/wake: destroyed, then acquired
             # again with no vLLM config current.
@@ -763,7 +794,46 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         with contextlib.suppress(Exception):
             fi_ar.destroy_fi_ar_workspace()
         patch.undo()
+        if "tp_pp" in case:
+            from vllm.distributed.parallel_state import destroy_model_parallel
+
+            destroy_model_parallel()
     return result
+
+
+def _case_group(rank: int, case: dict[str, Any]) -> Any:
+    """This rank's TP group for `case`: vLLM's, or a gloo group of its own
+    (every rank makes every TP group, as vLLM's GroupCoordinator does)."""
+    import torch.distributed as dist
+
+    if "tp_pp" in case:
+        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+        from vllm.distributed import initialize_model_parallel
+        from vllm.distributed.parallel_state import get_tp_group
+
+        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
+            initialize_model_parallel(*case["tp_pp"])
+        return get_tp_group().cpu_group
+    tp_groups = case.get("tp", [list(range(dist.get_world_size()))])
+    made = [dist.new_group(ranks, backend="gloo") for ranks in tp_groups]
+    return next(g for g, r in zip(made, tp_groups, strict=True) if rank in r)
+
+
+def creation_keys_left(group: Any) -> list[str]:
+    """The keys of the group's first creations (three per backend) left in
+    its store, as the patch names them."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    names = [f"{s}/{r}" for s in range(4) for r in range(size)]
+    names += [f"vote/{r}" for r in range(size)] + ["decision", "left"]
+    left = []
+    for prefix in (
+        f"vllm-fi-ar/{b}/{n}/" for b in ("mnnvl", "trtllm") for n in (1, 2, 3)
+    ):
+        store = dist.PrefixStore(prefix, group.get_group_store())
+        left += [prefix + name for name in names if store.check([name])]
+    return left
 
 
 def _acquire(

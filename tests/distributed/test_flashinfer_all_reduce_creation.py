@@ -14,7 +14,16 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from fi_ar_utils import CREATION_MODULE, every_rank, run_group, workspace_args
+from fi_ar_utils import (
+    CREATION_MODULE,
+    ENV,
+    HIDDEN_DIM,
+    MAX_TOKENS,
+    creation_keys_left,
+    every_rank,
+    run_group,
+    workspace_args,
+)
 
 # The bound in these tests, in seconds, and what a rank may take beyond it
 # (votes, the fallback creation, logging) on a loaded two-core machine.
@@ -38,8 +47,8 @@ def three_ranks() -> list[dict[str, dict[str, Any]]]:
                 "per_rank": {"2": {"fail_before": ["mnnvl"]}},
             },
             {
-                "name": "hisparse-fails-before-rendezvous",
-                "hisparse": "connector",
+                "name": "trtllm-fails-before-rendezvous",
+                "env": {ENV: "trtllm"},
                 "bound": BOUND,
                 "per_rank": {"2": {"fail_before": ["trtllm"]}},
             },
@@ -50,7 +59,7 @@ def three_ranks() -> list[dict[str, dict[str, Any]]]:
             },
             {
                 "name": "slow-kernel-build",
-                "hisparse": "connector",
+                "env": {ENV: "trtllm"},
                 "bound": BOUND,
                 "per_rank": {"1": {"load_seconds": SLOW_LOAD}},
             },
@@ -70,33 +79,41 @@ def _failure_lines(r: dict[str, Any]) -> list[str]:
     return [m for m in r["messages"] if "every rank gave it up" in m]
 
 
+def _the_failure_line(results: list[dict[str, Any]]) -> str:
+    """The group's rank 0 logs the give-up line, once; no other rank does."""
+    [line] = _failure_lines(results[0])
+    assert not [m for r in results[1:] for m in _failure_lines(r)]
+    return line
+
+
 def test_a_rank_failing_before_the_rendezvous_falls_back_on_every_rank(
     three_ranks,
 ):
     """The others leave FlashInfer's rendezvous at the bound, not at the
     group's 30 minutes, and all take the trtllm fallback together."""
-    for r in every_rank(three_ranks, "fails-before-rendezvous"):
+    results = every_rank(three_ranks, "fails-before-rendezvous")
+    for r in results:
         assert r["workspace"] == r["quant"] == "trtllm"
         assert r["seconds"] < BOUND + MARGIN
-        [line] = _failure_lines(r)
-        assert line == (
-            "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2): "
-            "failed on rank 2 (Failed to initialize FlashInfer All Reduce "
-            "workspace: injected mnnvl workspace failure before exchange.); every "
-            "rank gave it up."
-        )
+    assert _the_failure_line(results) == (
+        "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2): "
+        "failed on rank 2 (Failed to initialize FlashInfer All Reduce "
+        "workspace: injected mnnvl workspace failure before exchange.); every "
+        "rank gave it up."
+    )
 
 
 def test_a_failed_creation_is_not_tried_again_for_the_quant_workspace(
     three_ranks,
 ):
-    """With HiSparse, trtllm has no fallback: every rank is off after one
+    """An explicit trtllm has no fallback: every rank is off after one
     bound, not one per workspace."""
-    for r in every_rank(three_ranks, "hisparse-fails-before-rendezvous"):
+    results = every_rank(three_ranks, "trtllm-fails-before-rendezvous")
+    for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["log"].count("create:trtllm") == 1
         assert r["seconds"] < BOUND + MARGIN
-        assert len(_failure_lines(r)) == 1
+    _the_failure_line(results)
 
 
 def test_a_rank_failing_after_the_rendezvous_falls_back_on_every_rank(
@@ -106,11 +123,10 @@ def test_a_rank_failing_after_the_rendezvous_falls_back_on_every_rank(
     for r in results:
         assert r["workspace"] == r["quant"] == "trtllm"
         assert r["seconds"] < BOUND + MARGIN
-        [line] = _failure_lines(r)
-        assert (
-            "failed on rank 1 (Failed to initialize FlashInfer All Reduce "
-            "workspace: injected mnnvl workspace failure.)"
-        ) in line
+    assert (
+        "failed on rank 1 (Failed to initialize FlashInfer All Reduce "
+        "workspace: injected mnnvl workspace failure.)"
+    ) in _the_failure_line(results)
     for r in (results[0], results[2]):
         assert "destroy:mnnvl" in r["log"], "a workspace the group gave up on"
 
@@ -129,62 +145,33 @@ def test_a_kernel_build_longer_than_the_bound_is_not_cut(three_ranks):
 def test_kernels_failing_to_load_on_one_rank_fall_back_before_any_attempt(
     three_ranks,
 ):
-    for r in every_rank(three_ranks, "kernels-fail-to-load"):
+    results = every_rank(three_ranks, "kernels-fail-to-load")
+    for r in results:
         assert r["workspace"] == r["quant"] == "trtllm"
         assert "create:mnnvl" not in r["log"], "mnnvl is never attempted"
-        [line] = _failure_lines(r)
-        assert line.startswith(
-            "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2): "
-            "could not load kernels on rank 0 (RuntimeError: injected mnnvl kernel "
-            "build failure); every rank gave it up."
-        )
-
-
-@pytest.fixture(scope="module")
-def two_tp_groups() -> list[dict[str, dict[str, Any]]]:
-    """Four ranks in TP groups {0, 1} and {2, 3}: only {0, 1} lacks
-    multicast, so only it falls back from mnnvl to trtllm; or only {0, 1}
-    reaches the workspace (as the fusion pass or a model's own fused op
-    reach it, at different times per TP group)."""
-    no_multicast = {"multicast": False}
-    idle = {"idle": True}
-    return run_group(
-        [
-            {
-                "name": "one-falls-back",
-                "tp": [[0, 1], [2, 3]],
-                "world_group_after": 30,
-                "per_rank": {"0": no_multicast, "1": no_multicast},
-            },
-            {
-                "name": "one-group-acquires",
-                "tp": [[0, 1], [2, 3]],
-                "world_group_after": 30,
-                "per_rank": {"2": idle, "3": idle},
-            },
-        ],
-        nnodes=1,
-        ranks_per_node=4,
-        timeout=150,
+    assert _the_failure_line(results) == (
+        "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2): "
+        "could not load kernels on rank 0 (RuntimeError: injected mnnvl kernel "
+        "build failure); every rank gave it up."
     )
 
 
 @pytest.mark.slow_rank_group
-def test_a_world_group_forms_after_one_tp_group_fell_back(two_tp_groups):
+def test_a_world_group_forms_after_one_tp_group_fell_back(vllm_groups):
     """The groups a process makes never depend on how its creations went:
     torch names groups by a per-process counter, so a world-wide new_group
     after start-up would otherwise hang."""
-    results = every_rank(two_tp_groups, "one-falls-back")
+    results = every_rank(vllm_groups, "one-falls-back")
     assert [r["workspace"] for r in results] == ["trtllm"] * 2 + ["mnnvl"] * 2
     assert [r["groups"] for r in results] == [0] * 4
     assert [r["world_group"] for r in results] == [4] * 4
 
 
 @pytest.mark.slow_rank_group
-def test_a_world_group_forms_after_only_one_tp_group_agreed(two_tp_groups):
+def test_a_world_group_forms_after_only_one_tp_group_agreed(vllm_groups):
     """The agreement and the creation make no process group: a world-wide
     new_group forms after only one TP group reached them."""
-    results = every_rank(two_tp_groups, "one-group-acquires")
+    results = every_rank(vllm_groups, "one-group-acquires")
     assert [r.get("workspace") for r in results] == ["mnnvl"] * 2 + [None] * 2
     assert [r["groups"] for r in results] == [0] * 4
     assert [r["world_group"] for r in results] == [4] * 4
@@ -197,8 +184,9 @@ def two_ranks() -> list[dict[str, dict[str, Any]]]:
         [
             {
                 "name": "late-rank",
-                "hisparse": "connector",
+                "env": {ENV: "trtllm"},
                 "bound": BOUND,
+                "keys_left": True,
                 "per_rank": {"1": {"late_seconds": LATE}},
             },
             {
@@ -207,7 +195,7 @@ def two_ranks() -> list[dict[str, dict[str, Any]]]:
             },
             {
                 "name": "raises-on-rank-1",
-                "hisparse": "connector",
+                "env": {ENV: "trtllm"},
                 "bound": BOUND,
                 "per_rank": {"1": {"foreign_workspace": True}},
             },
@@ -219,50 +207,194 @@ def two_ranks() -> list[dict[str, dict[str, Any]]]:
 
 
 def test_the_late_rank_is_the_one_named(two_ranks):
-    """Rank 0 gives up waiting at the bound; rank 1 comes later and finds
-    rank 0's part there. Both name rank 1."""
-    for r in every_rank(two_ranks, "late-rank"):
+    """Rank 0 gives up waiting at the bound and names rank 1; rank 1 comes
+    after the bound, and ends the same way, its own keys removed too."""
+    results = every_rank(two_ranks, "late-rank")
+    for r in results:
         assert r["workspace"] is None and r["quant"] is None
-        [line] = _failure_lines(r)
-        assert line == (
-            "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): "
-            f"rank 1 did not answer within {BOUND} s; every rank gave it up."
-        )
         assert r["seconds"] < LATE + MARGIN
+        assert r["keys_left"] == []
+    assert _the_failure_line(results) == (
+        "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): "
+        f"rank 1 did not answer within {BOUND} s; every rank gave it up and "
+        "FlashInfer all-reduce with it."
+    )
 
 
 def test_a_failure_on_a_rank_that_is_not_local_rank_0_reaches_the_log(two_ranks):
     """vLLM's *_once lines print on local rank 0 only: rank 1's error comes
     to rank 0's log in the vote."""
-    rank0, rank1 = every_rank(two_ranks, "fails-on-local-rank-1")
-    for r in (rank0, rank1):
+    results = every_rank(two_ranks, "fails-on-local-rank-1")
+    for r in results:
         assert r["workspace"] == r["quant"] == "trtllm"
-    [line] = _failure_lines(rank0)
     assert (
         "failed on rank 1 (Failed to initialize FlashInfer All Reduce workspace: "
         "injected mnnvl workspace failure.)"
-    ) in line
-    assert not [m for m in rank1["messages"] if m.startswith("WARNING")]
+    ) in _the_failure_line(results)
+    assert not [m for m in results[1]["messages"] if m.startswith("WARNING")]
 
 
 def test_an_exception_inside_the_creation_goes_through_the_vote(two_ranks):
-    """Upstream's own RuntimeError on rank 1 is raised there after the vote;
-    rank 0 gives its workspace up at once, not at vLLM's 30-minute timeout."""
-    rank0, rank1 = (r["raises-on-rank-1"] for r in two_ranks)
-    assert rank1["error"] == (
-        "RuntimeError: FlashInfer returned an all-reduce workspace already "
-        "associated with a different process group"
+    """Upstream's own RuntimeError on rank 1 is raised on every rank after
+    the vote, in seconds, not at vLLM's 30-minute timeout."""
+    results = [r["raises-on-rank-1"] for r in two_ranks]
+    for r in results:
+        assert r["error"] == (
+            "RuntimeError: FlashInfer trtllm all-reduce workspace for ranks (0, 1): "
+            "raised on rank 1 (RuntimeError: FlashInfer returned an all-reduce "
+            "workspace already associated with a different process group)"
+        )
+        assert r["seconds"] < MARGIN
+    assert "destroy:trtllm" in results[0]["log"]
+
+
+# The bound where a rank dies in the creation, and where a rank fails at
+# once (the others must not wait it out).
+DEATH_BOUND = 6
+LONG_BOUND = 60
+
+
+@pytest.fixture(scope="module")
+def vllm_groups() -> list[dict[str, dict[str, Any]]]:
+    """Four ranks on one node in vLLM's own groups (init_distributed_environment
+    with each rank's local rank, initialize_model_parallel), FlashInfer faked
+    at its boundary. In TP2 x PP2, only TP group (0, 1) lacks multicast, so
+    only it falls back from mnnvl to trtllm; or only (0, 1) reaches the
+    workspace (as the fusion pass or a model's own fused op reach it, at
+    different times per TP group). Rank 2 exits in the last case."""
+    no_multicast = {"multicast": False}
+    idle = {"idle": True}
+    return run_group(
+        [
+            {
+                "name": "one-falls-back",
+                "tp_pp": [2, 2],
+                "world_group_after": 30,
+                "per_rank": {"0": no_multicast, "1": no_multicast},
+            },
+            {
+                "name": "one-group-acquires",
+                "tp_pp": [2, 2],
+                "world_group_after": 30,
+                "per_rank": {"2": idle, "3": idle},
+            },
+            {
+                "name": "tp2-pp2-second-group-fails",
+                "tp_pp": [2, 2],
+                "per_rank": {"3": {"fail": ["mnnvl"]}},
+            },
+            {
+                "name": "raises-on-rank-1",
+                "tp_pp": [4, 1],
+                "bound": LONG_BOUND,
+                "keys_left": True,
+                "per_rank": {"1": {"foreign_workspace": True}},
+            },
+            {
+                "name": "fails-before-first-exchange",
+                "tp_pp": [4, 1],
+                "bound": LONG_BOUND,
+                "keys_left": True,
+                "per_rank": {"2": {"fail_before": ["mnnvl"]}},
+            },
+            {
+                "name": "dies-in-creation",
+                "tp_pp": [4, 1],
+                "bound": DEATH_BOUND,
+                "keys_left": True,
+                "per_rank": {"2": {"exit_at": 1}},
+            },
+        ],
+        nnodes=1,
+        ranks_per_node=4,
+        timeout=600,
+        vllm_groups=True,
     )
-    assert "error" not in rank0, rank0.get("traceback")
-    assert rank0["workspace"] is None and rank0["quant"] is None
-    assert "destroy:trtllm" in rank0["log"]
-    [line] = _failure_lines(rank0)
-    assert line == (
-        "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): failed on "
-        "rank 1 (RuntimeError: FlashInfer returned an all-reduce workspace already "
-        "associated with a different process group); every rank gave it up."
+
+
+@pytest.mark.slow_rank_group
+def test_a_rank_that_dies_in_the_creation_ends_it_on_every_other_rank(vllm_groups):
+    """Rank 2 exits at FlashInfer's second exchange: ranks 0, 1 and 3 end
+    at the bound, the same way (FlashInfer all-reduce off for the group: no
+    more collectives with a rank that may be dead), rank 0 names rank 2
+    without blaming multicast, and no key is left."""
+    survivors = [vllm_groups[rank]["dies-in-creation"] for rank in (0, 1, 3)]
+    assert "dies-in-creation" not in vllm_groups[2]
+    for r in survivors:
+        assert "error" not in r, r.get("traceback")
+        assert r["workspace"] is None and r["quant"] is None
+        assert DEATH_BOUND <= r["seconds"] < DEATH_BOUND + 4
+        assert r["keys_left"] == []
+    assert _the_failure_line(survivors) == (
+        "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2, 3): "
+        f"rank 2 did not answer within {DEATH_BOUND} s; every rank gave it up "
+        "and FlashInfer all-reduce with it."
     )
-    assert rank0["seconds"] < MARGIN
+    warnings = [m for m in survivors[0]["messages"] if m.startswith("WARNING")]
+    assert not [m for m in warnings if "multicast" in m]
+
+
+@pytest.mark.slow_rank_group
+def test_a_tp_group_without_local_rank_0_logs_from_its_own_rank_0(vllm_groups):
+    """TP2 x PP2 on one node: group (2, 3) falls back to trtllm, and its own
+    rank 0, local rank 2, logs its failure and its backend; each group's
+    lines come from that group's rank 0 alone."""
+    results = [r["tp2-pp2-second-group-fails"] for r in vllm_groups]
+    assert [r["workspace"] for r in results] == ["mnnvl"] * 2 + ["trtllm"] * 2
+    assert not _failure_lines(results[0]) and not _failure_lines(results[1])
+    assert _the_failure_line(results[2:]) == (
+        "WARNING FlashInfer mnnvl all-reduce workspace for ranks (2, 3): failed "
+        "on rank 3 (Failed to initialize FlashInfer All Reduce workspace: "
+        "injected mnnvl workspace failure.); every rank gave it up."
+    )
+    startup = [[m for m in r["messages"] if "backend for ranks" in m] for r in results]
+    assert [len(lines) for lines in startup] == [1, 0, 1, 0]
+    assert startup[0][0].startswith(
+        "INFO FlashInfer all-reduce backend for ranks (0, 1): mnnvl"
+    )
+    assert startup[2][0].startswith(
+        "INFO FlashInfer all-reduce backend for ranks (2, 3): mnnvl"
+    )
+
+
+@pytest.mark.slow_rank_group
+def test_an_exception_on_one_rank_is_raised_on_every_rank(vllm_groups):
+    """Upstream's RuntimeError on rank 1, where auto may fall back: no rank
+    falls back alone; every rank raises the same error, in seconds."""
+    results = [r["raises-on-rank-1"] for r in vllm_groups]
+    for r in results:
+        assert r["error"] == (
+            "RuntimeError: FlashInfer mnnvl all-reduce workspace for ranks "
+            "(0, 1, 2, 3): raised on rank 1 (RuntimeError: FlashInfer returned an "
+            "all-reduce workspace already associated with a different process group)"
+        )
+        assert "create:trtllm" not in r["log"]
+        assert r["seconds"] < MARGIN
+        assert r["keys_left"] == []
+
+
+@pytest.mark.slow_rank_group
+def test_a_rank_failing_before_its_first_exchange_stops_the_others_at_once(
+    vllm_groups,
+):
+    """Rank 2 fails before FlashInfer's first exchange and says so: the
+    others end in seconds, not at the bound, and all fall back together."""
+    results = [r["fails-before-first-exchange"] for r in vllm_groups]
+    for r in results:
+        assert r["workspace"] == r["quant"] == "trtllm"
+        assert r["seconds"] < MARGIN < LONG_BOUND
+        assert r["keys_left"] == []
+    assert "failed on rank 2 (" in _the_failure_line(results)
+
+
+def test_a_trtllm_fallback_is_sized_for_trtllm(fi_ar, fake_ws, cpu_group, monkeypatch):
+    """mnnvl's tuned size (a TP8-like 128 MB row at SM100) is not trtllm's:
+    the fallback asks for the token count it was given, the fusion table's."""
+    monkeypatch.setitem(fi_ar.FI_MNNVL_ALLREDUCE_MAX_SIZE_MB, (100, 2, 1), 128)
+    fake_ws.multicast = False
+    fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))
+    tuned = 128 * 1024 * 1024 // (HIDDEN_DIM * 2)
+    assert fake_ws.sizes == [("mnnvl", tuned), ("trtllm", MAX_TOKENS)]
 
 
 def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
@@ -273,9 +405,9 @@ def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
     creation = importlib.import_module(CREATION_MODULE)
     kept: list[Any] = []
 
-    @creation.on_every_rank(release=lambda _: None)
-    def create(backend: str, group: Any) -> object:
-        kept.append(creation.creation_comm_backend(TorchDistBackend(group=group)))
+    @creation.on_every_rank(registry={})
+    def create(backend: str, group: Any, creation: Any = None) -> object:
+        kept.append(creation.comm_backend(TorchDistBackend(group=group)))
         kept[0].barrier()
         return object()
 
@@ -283,7 +415,8 @@ def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
     assert kept[0].steps == 1
     kept[0].barrier()
     assert kept[0].steps == 1, "after the creation, collectives run on vLLM's group"
-    assert kept[0].after._group is cpu_group
+    assert kept[0]._after._group is cpu_group
+    assert creation_keys_left(cpu_group) == []
     assert dist.get_world_size(cpu_group) == 1
 
 
@@ -299,3 +432,48 @@ def test_upstreams_own_errors_propagate(fi_ar, fake_ws, cpu_group, monkeypatch):
     )
     with pytest.raises(RuntimeError, match="different process group"):
         fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group, world_size=1))
+
+
+def test_the_bound_is_a_setting(monkeypatch):
+    """Read as vllm.envs reads its variables: the default, a whole number of
+    seconds, or a one-line error naming the variable."""
+    creation = importlib.import_module(CREATION_MODULE)
+    monkeypatch.delenv(creation.FI_AR_CREATE_TIMEOUT_ENV, raising=False)
+    assert creation.create_timeout_s() == creation.FI_AR_CREATE_TIMEOUT_S == 300
+    monkeypatch.setenv(creation.FI_AR_CREATE_TIMEOUT_ENV, "45")
+    assert creation.create_timeout_s() == 45
+    for bad in ("0", "-5", "1.5", "soon"):
+        monkeypatch.setenv(creation.FI_AR_CREATE_TIMEOUT_ENV, bad)
+        with pytest.raises(
+            ValueError, match=f"FLASHINFER_ALLREDUCE_CREATE_TIMEOUT_S={bad!r}"
+        ):
+            creation.create_timeout_s()
+
+
+def test_a_dtype_clause_only_once_that_dtype_is_asked_for(
+    fi_ar, cpu_group, installed_flashinfer
+):
+    """On unfixed kernels float16 gets trtllm: a bf16 deployment's start-up
+    line says nothing of it; a float16 workspace gets a line of its own."""
+    import logging
+
+    import torch
+    from fi_ar_utils import _LogCollector
+
+    installed_flashinfer(flashinfer="0.7.2.post1")
+    lines, vllm_logger = _LogCollector(), logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.addHandler(lines)
+    vllm_logger.setLevel(logging.INFO)
+    try:
+        for dtype in (None, torch.bfloat16, torch.float16, torch.float16):
+            fi_ar._resolve_fi_ar_backend(cpu_group, dtype)
+    finally:
+        vllm_logger.removeHandler(lines)
+        vllm_logger.setLevel(level)
+    first, fp16 = [m for m in lines.lines if "backend for ranks" in m]
+    assert first.startswith("INFO FlashInfer all-reduce backend for ranks (0,): mnnvl")
+    assert "float16" not in first
+    assert fp16.startswith(
+        "INFO FlashInfer all-reduce backend for ranks (0,): float16: trtllm"
+    )

@@ -30,8 +30,6 @@ from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
-    creation_comm_backend,
-    creation_warning,
     on_every_rank,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
@@ -98,9 +96,10 @@ def _create_workspace(
     hidden_dim: int,
     dtype: torch.dtype,
     group: ProcessGroup,
+    creation: Any = None,  # given by on_every_rank
 ):
     """Create a flashinfer allreduce workspace, returning None on failure."""
-    comm_backend = creation_comm_backend(TorchDistBackend(group=group))
+    comm_backend = creation.comm_backend(TorchDistBackend(group=group))
     rng_state = random.getstate()
     try:
         random.seed(int.from_bytes(os.urandom(16), byteorder="big"))
@@ -119,20 +118,20 @@ def _create_workspace(
             )
         if backend == "mnnvl" and not getattr(workspace, "mc_ptr", 0):
             workspace.destroy()
-            creation_warning(
+            creation.warning(
                 "FlashInfer MNNVL multicast is unavailable on the current topology."
             )
             return None
     except Exception as e:
         if "multicast" in str(e).lower():
-            creation_warning(
+            creation.warning(
                 "Failed to initialize FlashInfer All Reduce workspace: %s. "
                 "This is expected on GPUs without NVSwitch (e.g., NVLink "
                 "bridge-only or PCIe topologies).",
                 e,
             )
         else:
-            creation_warning(
+            creation.warning(
                 "Failed to initialize FlashInfer All Reduce workspace: %s.",
                 e,
             )
@@ -227,8 +226,8 @@ def get_fi_ar_workspace(
     _fi_ar_workspace = _get_or_create(backend)
     if _fi_ar_workspace is None and allow_trtllm_fallback and backend != "trtllm":
         logger.warning_once(
-            "FlashInfer mnnvl allreduce workspace unavailable (likely no NVSwitch "
-            "multicast support); falling back to trtllm backend for single node."
+            "FlashInfer mnnvl allreduce workspace unavailable (given up on every "
+            "rank); falling back to trtllm backend for single node."
         )
         backend = "trtllm"
         max_token_num = requested_token_num  # mnnvl's tuned size is not trtllm's
@@ -300,7 +299,7 @@ def get_fi_ar_quant_workspace(
     if _fi_ar_quant_workspace is None and allow_trtllm_fallback and backend != "trtllm":
         logger.warning_once(
             "FlashInfer mnnvl allreduce quantization fusion workspace unavailable "
-            "(likely no NVSwitch multicast support); falling back to trtllm "
+            "(given up on every rank); falling back to trtllm "
             "backend for single node."
         )
         backend = "trtllm"

@@ -3,19 +3,17 @@
 # Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
 #  goes away with it.
 """A FlashInfer all-reduce workspace creation that ends the same way on every
-rank of its group, in bounded time, with every rank's error in the log.
-
-FlashInfer's collectives run over the group's store, never on a process
-group of our own (see flashinfer_all_reduce_group), and each rank's outcome
-goes to one vote on vLLM's group."""
+rank of its group, within a bound. Once the kernels load, FlashInfer's
+collectives and the vote go over the group's store, each wait ending at one
+deadline: never on vLLM's group (30 minutes for gloo), nor on a process
+group of our own (see flashinfer_all_reduce_group)."""
 
 import functools
 import importlib
-import inspect
+import os
 import pickle
 import time
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -33,35 +31,29 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-# The bound on FlashInfer's collectives in one workspace creation, in
-# seconds. Between two of them a healthy rank only allocates and maps
-# memory; kernels are loaded before. vLLM's own gloo groups wait 30 min.
+# The bound on a creation once its kernels are loaded, in seconds, unless
+# FI_AR_CREATE_TIMEOUT_ENV says otherwise. Between two of FlashInfer's
+# collectives a healthy rank only allocates and maps memory.
 FI_AR_CREATE_TIMEOUT_S = 300
+FI_AR_CREATE_TIMEOUT_ENV = "VLLM_FLASHINFER_ALLREDUCE_CREATE_TIMEOUT_S"
+# How long the vote waits past the deadline for a rank that stopped waiting
+# too: the ranks' deadlines are apart by the kernel-load vote's skew.
+VOTE_GRACE_S = 5
 # Each backend's kernel loader (functools.cache'd in flashinfer-python 0.7.2.post1
 # and 0.7.4), which trtllm's creation calls between two of its collectives.
 BACKEND_KERNEL_LOADERS = {
     "trtllm": ("flashinfer.comm.trtllm_ar", "get_trtllm_comm_module"),
     "mnnvl": ("flashinfer.comm.trtllm_mnnvl_ar", "get_trtllm_mnnvl_comm_module"),
 }
-# The creation in progress on this rank; creations run one at a time.
-_creation: "_CreationCommBackend | None" = None
 
 
-def creation_warning(msg: str, *args: Any) -> None:
-    """Upstream's warning that the creation in progress failed on this rank.
-    vLLM logs *_once lines on local rank 0 only, so the text travels in the
-    creation's vote, and every rank's give-up line carries it."""
-    assert _creation is not None
-    _creation.warnings.append(msg % args)
-
-
-def creation_comm_backend(after: Any) -> Any:
-    """FlashInfer's CommBackend for the creation in progress: bounded until
-    it ends, then `after`'s collectives on vLLM's group (FlashInfer keeps
-    the backend for `checkpoint_prepare`'s barrier)."""
-    assert _creation is not None
-    _creation.after = after
-    return _creation
+def create_timeout_s() -> int:
+    """The bound, read as vllm.envs reads its variables (upstream's
+    envs.py, which this patch does not replace, does not know this one)."""
+    value = os.getenv(FI_AR_CREATE_TIMEOUT_ENV, str(FI_AR_CREATE_TIMEOUT_S))
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise ValueError(f"{FI_AR_CREATE_TIMEOUT_ENV}={value!r}: not a number of seconds")
 
 
 def _load_kernels(backend: str) -> str | None:
@@ -74,155 +66,212 @@ def _load_kernels(backend: str) -> str | None:
     return None
 
 
-class _CreationCommBackend:
-    """FlashInfer's CommBackend for one creation: until `done`, collectives
-    over the group's store, each wait ending at the creation's deadline,
-    then those of `after`. The allreduce fusion workspaces of
+class Creation:
+    """One creation on this rank. Until it ends, FlashInfer's CommBackend
+    (`comm_backend`): collectives over the group's store that wait until
+    the deadline, or until a rank they wait for has voted (it left the
+    creation). Then the vote. The allreduce fusion workspaces of
     flashinfer-python 0.7.2.post1 and 0.7.4 call no other method."""
 
-    def __init__(self, group: ProcessGroup, key: str):
+    def __init__(self, group: ProcessGroup, key: str, bound: int):
         self._store = dist.PrefixStore(key, group.get_group_store())
-        self._ranks = group_ranks(group)
+        self.ranks = group_ranks(group)
         self._rank = dist.get_rank(group)
-        self._size = dist.get_world_size(group)
-        self._deadline = time.monotonic() + FI_AR_CREATE_TIMEOUT_S
+        self.bound = bound
+        self._deadline = time.monotonic() + bound
         self._written: list[str] = []
-        self.after: Any = None
+        self._after: Any = None
         self.done = False
         self.warnings: list[str] = []
         self.steps = 0
-        self.missing: list[int] = []
-        """The ranks this rank stopped waiting for, at step `steps`."""
+        self.stopped: tuple[int, list[int]] | None = None
+        """The step where this rank stopped, and the ranks it stopped for."""
+
+    def comm_backend(self, after: Any) -> "Creation":
+        """Itself; `after`'s collectives on vLLM's group once the creation
+        ends (FlashInfer keeps it for `checkpoint_prepare`'s barrier)."""
+        self._after = after
+        return self
+
+    def warning(self, msg: str, *args: Any) -> None:
+        """Upstream's warning that this creation failed here: it goes into
+        the vote, and the group's rank 0 logs it."""
+        self.warnings.append(msg % args)
 
     def Get_rank(self) -> int:
         return self._rank
 
     def Get_size(self) -> int:
-        return self._size
+        return len(self.ranks)
 
     def allgather(self, data: Any) -> tuple[Any, ...]:
         if self.done:
-            return self.after.allgather(data)
-        return tuple(self._exchange(data, range(self._size)))
+            return self._after.allgather(data)
+        return tuple(self._exchange(data, range(len(self.ranks))))
 
     def bcast(self, data: Any, root: int) -> Any:
         if self.done:
-            return self.after.bcast(data, root)
+            return self._after.bcast(data, root)
         return self._exchange(data, [root])[0]
 
     def barrier(self) -> None:
         if self.done:
-            return self.after.barrier()
-        self._exchange(None, range(self._size))
+            return self._after.barrier()
+        self._exchange(None, range(len(self.ranks)))
+
+    def _set(self, key: str, value: Any) -> None:
+        self._store.set(key, pickle.dumps(value))  # type: ignore[arg-type]
+        self._written.append(key)
+
+    def _get(self, key: str) -> Any:
+        """The value, or None; unlike get, it never waits for the key."""
+        value = self._store.compare_set(key, "-", "-")  # type: ignore[arg-type]
+        return None if value == b"-" else pickle.loads(value)
+
+    def _poll(self, keys: list[str], deadline: float, stop: Callable) -> list[str]:
+        """The keys still absent at `deadline` or once `stop(absent)`."""
+        pause = 0.001
+        while (absent := [k for k in keys if not self._store.check([k])]) and not (
+            stop(absent) or time.monotonic() >= deadline
+        ):
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        return absent
 
     def _exchange(self, data: Any, senders: Iterable[int]) -> list[Any]:
-        keys = {rank: f"{self.steps}/{rank}" for rank in senders}
-        if (mine := keys.get(self._rank)) is not None:
-            self._store.set(mine, pickle.dumps(data))  # type: ignore[arg-type]
-            self._written.append(mine)
-        for rank, key in keys.items():
-            left = timedelta(seconds=max(self._deadline - time.monotonic(), 1e-3))
-            try:
-                self._store.wait([key], left)
-            except dist.DistStoreError:
-                self.missing.append(self._ranks[rank])
-        if self.missing:
-            raise TimeoutError(
-                f"FlashInfer's collective waited {FI_AR_CREATE_TIMEOUT_S} s for "
-                f"{some_ranks(self.missing)}"
-            )
-        self.steps += 1
-        return [pickle.loads(self._store.get(key)) for key in keys.values()]
+        step, came_late = self.steps, time.monotonic() >= self._deadline
+        keys = {f"{step}/{rank}": rank for rank in senders}
+        if self._rank in keys.values():
+            self._set(f"{step}/{self._rank}", data)
 
-    def remove_keys(self) -> None:
-        """Once every rank has voted, no rank reads this creation's keys."""
-        for key in self._written:
+        def left(absent: list[str]) -> list[int]:
+            # Its vote is there, and then still not its part: it has left.
+            votes = [k for k in absent if self._store.check([f"vote/{keys[k]}"])]
+            return [keys[k] for k in votes if not self._store.check([k])]
+
+        if absent := self._poll(list(keys), self._deadline, left):
+            late = [self._rank] if came_late else [keys[k] for k in absent]
+            self.stopped = (step, [self.ranks[r] for r in left(absent) or late])
+            raise TimeoutError(f"stopped for {some_ranks(self.stopped[1])}")
+        self.steps += 1
+        return [self._get(key) for key in keys]
+
+    def run(self, create: Callable[..., Any], *args: Any) -> tuple[Any, ...]:
+        """This rank's workspace, the group's decision ("keep", "backend",
+        "group" or "raise"), why, and this rank's exception."""
+        workspace = raised = None
+        try:
+            workspace = create(*args, creation=self)
+        except Exception as e:
+            raised = None if self.stopped else e
+        self.done = True
+        try:
+            return workspace, *self._vote(workspace, raised), raised
+        except BaseException:  # the store failed: remove what this rank can
+            self._remove(self._written)
+            raise
+
+    def _vote(self, workspace: Any, raised: Exception | None) -> tuple[str, str]:
+        """Each rank's outcome goes to the store, and each proposes the
+        group's decision from the votes there by the deadline (no vote: the
+        rank did not answer); the first proposal stands on every rank. The
+        last of its voters out removes every key."""
+        mine: tuple[str, Any] = ("ok", None)
+        if raised is not None:
+            mine = ("raised", f"{type(raised).__name__}: {raised}")
+        elif self.stopped:
+            mine = ("stopped", self.stopped)
+        elif workspace is None:
+            mine = ("failed", " ".join(self.warnings) or "no workspace")
+        self._set(f"vote/{self._rank}", (*mine, self.steps))
+        gone = self.stopped[1] if self.stopped else []
+        keys = [f"vote/{i}" for i, r in enumerate(self.ranks) if r not in gone]
+        self._poll(keys, self._deadline + VOTE_GRACE_S, lambda _: self._get("decision"))
+        votes = {i: v for i in range(len(self.ranks)) if (v := self._get(f"vote/{i}"))}
+        proposal = pickle.dumps((*_decide(self.ranks, votes, self.bound), votes))
+        stored = self._store.compare_set("decision", "", proposal)  # type: ignore[arg-type]
+        *decision, voters = pickle.loads(stored)
+        if self._rank not in voters:
+            self._remove(self._written)
+        elif self._store.add("left", 1) == len(voters):
+            steps = range(max(steps for *_, steps in voters.values()) + 2)
+            everyone = [f"{s}/{i}" for s in steps for i in range(len(self.ranks))]
+            everyone += [f"vote/{i}" for i in range(len(self.ranks))]
+            self._remove([*everyone, "decision", "left"])
+        return tuple(decision)
+
+    def _remove(self, keys: list[str]) -> None:
+        for key in keys:
             self._store.delete_key(key)
 
 
+def _decide(ranks: tuple[int, ...], votes: dict[int, tuple], bound: int) -> tuple:
+    """The group's decision from the votes at hand: a rank that raised makes
+    every rank raise; one that failed gives the backend up; one that did not
+    answer gives FlashInfer all-reduce up for the group (it may be dead)."""
+    for kind, action in (("raised", "raise"), ("failed", "backend")):
+        errors: dict[str, list[int]] = {}
+        for i, vote in votes.items():
+            if vote[0] == kind:
+                errors.setdefault(vote[1], []).append(ranks[i])
+        if failed := [f"{some_ranks(r)} ({e})" for e, r in errors.items()]:
+            return action, f"{kind} on {', '.join(failed)}"
+    stops = [detail for kind, detail, _ in votes.values() if kind == "stopped"]
+    first = min((step for step, _ in stops), default=None)
+    late = {r for step, missing in stops if step == first for r in missing}
+    late |= {r for i, r in enumerate(ranks) if i not in votes}
+    if late:
+        return "group", f"{some_ranks(late)} did not answer within {bound} s"
+    return "keep", ""
+
+
 def on_every_rank(registry: dict[int, Any]) -> Callable[[Callable], Callable]:
-    """Makes `create`, this rank's part of a creation (None on failure),
-    end the same way on every rank of its `group`: all keep the workspace
-    or none does, within FI_AR_CREATE_TIMEOUT_S once the kernels are
-    loaded; where another rank failed, it is destroyed and taken out of
-    `registry` (workspaces by id). A failed
-    backend is not tried again, and an exception from `create` is raised
-    once every rank has voted."""
+    """Makes `create` (backend first, group last, as upstream's
+    _create_workspace; None on failure, `creation` given) end the same way
+    on every rank of its group: all keep the workspace, give it up or raise
+    the same error, within FI_AR_CREATE_TIMEOUT_S (or FI_AR_CREATE_TIMEOUT_ENV)
+    plus VOTE_GRACE_S once the kernels are loaded. A workspace the group gives
+    up is destroyed and taken out of `registry` (workspaces by id); a failed
+    backend is not tried again, nor any after a rank did not answer."""
 
     def decorate(create: Callable) -> Callable:
         @functools.wraps(create)
-        def create_on_every_rank(*args: Any, **kwargs: Any) -> Any:
-            call = inspect.signature(create).bind(*args, **kwargs).arguments
-            group, backend = call["group"], call["backend"]
+        def create_on_every_rank(backend: str, *args: Any) -> Any:
+            group = args[-1]
             state = agreed(group)
             if backend in state.failed:
                 return None
-            ranks = group_ranks(group)
-            workspace = raised = None
-            if errors := _failed(ranks, gather(group, _load_kernels(backend))):
-                failure: str | None = f"could not load kernels on {errors}"
+            workspace, raised, ranks = None, None, group_ranks(group)
+            loads = gather(group, _load_kernels(backend))
+            if any(loads):
+                votes = {i: ("failed", e, 0) for i, e in enumerate(loads) if e}
+                action, why = _decide(ranks, votes, 0)
+                why = why.replace("failed on", "could not load kernels on", 1)
             else:
                 state.creations += 1
                 key = f"vllm-fi-ar/{backend}/{state.creations}/"
-                workspace, raised, failure = _create_and_vote(
-                    group, key, lambda: create(*args, **kwargs)
-                )
-            if failure is None:
+                creation = Creation(group, key, create_timeout_s())
+                workspace, action, why, raised = creation.run(create, backend, *args)
+            if action == "keep":
                 return workspace
             if workspace is not None:
                 del registry[id(workspace)]
                 workspace.destroy()
-            state.failed.add(backend)
-            logger.warning_once(
-                "FlashInfer %s all-reduce workspace for ranks %s: %s; every rank "
-                "gave it up.",
-                *(backend, ranks, failure),
+            state.failed.update(
+                BACKEND_KERNEL_LOADERS if action == "group" else [backend]
             )
-            if raised is not None:
-                raise raised
+            if action == "raise":
+                what = f"FlashInfer {backend} all-reduce workspace for ranks {ranks}"
+                raise RuntimeError(f"{what}: {why}") from raised
+            if dist.get_rank(group) == 0:
+                logger.warning(
+                    "FlashInfer %s all-reduce workspace for ranks %s: %s; every rank "
+                    "gave it up%s.",
+                    *(backend, ranks, why),
+                    " and FlashInfer all-reduce with it" * (action == "group"),
+                )
             return None
 
         return create_on_every_rank
 
     return decorate
-
-
-def _create_and_vote(
-    group: ProcessGroup, key: str, create: Callable[[], Any]
-) -> tuple[Any | None, Exception | None, str | None]:
-    """This rank's workspace, its exception, and why the group gives the
-    workspace up, if it does: every rank's outcome goes to one vote."""
-    global _creation
-    _creation = comm_backend = _CreationCommBackend(group, key)
-    workspace = raised = None
-    try:
-        workspace = create()
-    except Exception as e:
-        # Upstream's own errors; not a collective this rank gave up on.
-        raised = None if comm_backend.missing else e
-        creation_warning("%s: %s", type(e).__name__, e)
-    finally:
-        comm_backend.done = True
-        _creation = None
-    error = None
-    if workspace is None and not comm_backend.missing:
-        error = " ".join(comm_backend.warnings) or "no workspace"
-    votes = gather(group, (error, comm_backend.steps, comm_backend.missing))
-    comm_backend.remove_keys()
-    if failures := _failed(group_ranks(group), [error for error, _, _ in votes]):
-        return workspace, raised, f"failed on {failures}"
-    if waits := [(step, missing) for _, step, missing in votes if missing]:
-        first = min(step for step, _ in waits)
-        late = {rank for step, missing in waits if step == first for rank in missing}
-        limit = f"did not answer within {FI_AR_CREATE_TIMEOUT_S} s"
-        return workspace, raised, f"{some_ranks(late)} {limit}"
-    return workspace, raised, None
-
-
-def _failed(ranks: tuple[int, ...], errors: list[str | None]) -> str:
-    """The ranks with an error, each error once: 'rank 1 (error)'."""
-    by_error: dict[str, list[int]] = {}
-    for rank, error in zip(ranks, errors, strict=True):
-        if error is not None:
-            by_error.setdefault(error, []).append(rank)
-    return ", ".join(f"{some_ranks(r)} ({error})" for error, r in by_error.items())

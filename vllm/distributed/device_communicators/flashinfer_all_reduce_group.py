@@ -36,24 +36,27 @@ logger = init_logger(__name__)
 
 # The workspace dtypes a group decides for; None is the dtype not yet known.
 _DTYPE_KEYS = (None, *FI_AR_DTYPES)
+Decisions = dict[str | None, FiArBackendDecision]
 
 
 @dataclasses.dataclass
-class Group:
+class Agreement:
     """What every rank of a group agreed on, and how its creations went."""
 
-    decisions: dict[str | None, FiArBackendDecision]
+    decisions: Decisions
     node_count: int
     failed: set[str] = dataclasses.field(default_factory=set)
     """The backends whose creation every rank gave up: not tried again."""
     creations: int = 0
+    logged: set[FiArBackendDecision] = dataclasses.field(default_factory=set)
+    """The decisions the group's rank 0 has logged."""
 
 
 # Held weakly, so that per-group state goes with its group.
-_groups: weakref.WeakKeyDictionary[ProcessGroup, Group] = weakref.WeakKeyDictionary()
+_groups = weakref.WeakKeyDictionary[ProcessGroup, Agreement]()
 
 
-def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Group:
+def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Agreement:
     """The group's state, agreed by its ranks on first use, under `config`
     (the vLLM config current then)."""
     if group not in _groups:
@@ -101,9 +104,7 @@ def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _decide_every_dtype(
-    inputs: FiArBackendInputs,
-) -> dict[str | None, FiArBackendDecision]:
+def _decide_every_dtype(inputs: FiArBackendInputs) -> Decisions:
     """A known issue may hit one dtype only."""
     return {
         key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
@@ -111,7 +112,7 @@ def _decide_every_dtype(
     }
 
 
-def _agree(group: ProcessGroup, config: VllmConfig | None) -> Group:
+def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
     """Decide for every workspace dtype and agree, in one round that also
     carries each rank's NVLink fabric probe where mnnvl would span nodes.
 
@@ -137,58 +138,47 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> Group:
     ranks = group_ranks(group)
     if len({view for view, _ in views}) > 1:
         i = next(i for i in range(len(choice)) if len({v[i] for v, _ in views}) > 1)
-        logger.error_once(
-            "FlashInfer all-reduce is off for ranks %s: they chose different "
-            "backends%s (%s). Make these the same on every node: %s, the "
-            "HiSparse config, the GPU and the FlashInfer packages.",
-            ranks,
-            f" for {_DTYPE_KEYS[i]} workspaces" if i else "",
-            ", ".join(
-                f"rank {rank}: {view[i][0] or 'off'}"
-                + " (may fall back to trtllm)" * view[i][1]
-                for rank, (view, _) in zip(ranks, views, strict=True)
-            ),
-            FI_AR_BACKEND_ENV,
-        )
+        if dist.get_rank(group) == 0:
+            logger.error(
+                "FlashInfer all-reduce is off for ranks %s: they chose different "
+                "backends%s (%s). Make these the same on every node: %s, the "
+                "HiSparse config, the GPU and the FlashInfer packages.",
+                ranks,
+                f" for {_DTYPE_KEYS[i]} workspaces" if i else "",
+                ", ".join(
+                    f"rank {rank}: {view[i][0] or 'off'}"
+                    + " (may fall back to trtllm)" * view[i][1]
+                    for rank, (view, _) in zip(ranks, views, strict=True)
+                ),
+                FI_AR_BACKEND_ENV,
+            )
         off = FiArBackendDecision(None, False, "the ranks disagree")
-        return Group(dict.fromkeys(_DTYPE_KEYS, off), inputs.node_count)
+        decisions = dict.fromkeys(_DTYPE_KEYS, off)
+        return Agreement(decisions, inputs.node_count, logged={off})
     if no_fabric := tuple(r for r, (_, ok) in zip(ranks, views, strict=True) if not ok):
         decisions = _decide_every_dtype(
             dataclasses.replace(inputs, no_fabric=no_fabric)
         )
-    _log_decisions(ranks, decisions)
-    return Group(decisions, inputs.node_count)
+    return Agreement(decisions, inputs.node_count)
 
 
-def _warns(d: FiArBackendDecision) -> bool:
-    """An explicit setting that runs into a known issue."""
-    return d.known_issue is not None and d.known_issue.backend == d.backend
-
-
-def _log_decisions(
-    ranks: tuple[int, ...], decisions: dict[str | None, FiArBackendDecision]
-) -> None:
-    """The start-up line: the backend and why, then each workspace dtype
-    that differs (in backend, or in a setting that runs into a known issue)."""
-    group = decisions[None]
-    differs = {
-        f"{key}: ": d
-        for key, d in decisions.items()
-        if key is not None
-        and (d.backend, d.allow_trtllm_fallback, _warns(d))
-        != (group.backend, group.allow_trtllm_fallback, _warns(group))
-    }
-    _log(ranks, {"": group, **differs}, _warns(group))
-
-
-def _log(
-    ranks: tuple[int, ...], shown: dict[str, FiArBackendDecision], warn: bool
-) -> None:
-    (logger.warning_once if warn else logger.info_once)(
-        "FlashInfer all-reduce backend for ranks %s: %s%s",
-        ranks,
-        "; ".join(f"{k}{d.backend or 'off'} ({d.reason})" for k, d in shown.items()),
-        f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." if warn else "",
+def _log_once(group: ProcessGroup, state: Agreement, key: str | None) -> None:
+    """The start-up line, from the group's own rank 0 whatever its local rank
+    (vLLM's *_once lines print on each node's local rank 0), once per
+    group: the first workspace dtype's backend, then a line for each later
+    dtype that gets another decision (a known issue can move one alone)."""
+    d = state.decisions.get(key, state.decisions[None])
+    if d in state.logged or dist.get_rank(group) != 0:
+        return
+    state.logged.add(d)
+    warn = d.known_issue is not None and d.known_issue.backend == d.backend
+    (logger.warning if warn else logger.info)(
+        "FlashInfer all-reduce backend for ranks %s: %s%s (%s)%s",
+        group_ranks(group),
+        f"{key}: " * (d != state.decisions[None]),
+        d.backend or "off",
+        d.reason,
+        f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." * warn,
     )
 
 
@@ -198,10 +188,8 @@ def resolve_fi_ar_backend(
     """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for
     a workspace of `dtype` (None: not yet known). Agreed once per group, at
     its first call: under the config current there (`config`)."""
-    decisions = agreed(group, config).decisions
+    state = agreed(group, config)
     key = None if dtype is None else str(dtype).removeprefix("torch.")
-    decision = decisions.get(key, decisions[None])
-    if _warns(decision) and not _warns(decisions[None]):
-        # Only a workspace of this dtype runs into the issue: warn as it is made.
-        _log(group_ranks(group), {f"{key}: ": decision}, warn=True)
+    _log_once(group, state, key)
+    decision = state.decisions.get(key, state.decisions[None])
     return decision.backend, decision.allow_trtllm_fallback
