@@ -1,7 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
-#  goes away with it.
 """Which FlashInfer all-reduce backend a deployment gets, and why: start-up's
 own decision, answered without a GPU. Exit 1 where start-up fails, 2 on a
 usage error."""
@@ -118,8 +116,6 @@ def _answer(args: argparse.Namespace) -> tuple[list[str], int]:
     if fails:
         lines.append(f"  start-up fails: {_startup_error()}")
     if issue is not None:
-        lines.append(f"  known issue: {issue.name}: {issue.backend} {issue.effect}")
-        lines += [f"  see: {link}" for link in issue.links]
         fix = f"flashinfer-python {issue.fixed_in}, which this build pins"
         lines.append(f"  fix: {fix if issue.fixed_in else 'none released yet'}")
     if backend == "mnnvl":

@@ -1,7 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
-#  goes away with it.
 """Which FlashInfer all-reduce backend a process group uses, as a pure function
 of `FiArBackendInputs`, for start-up and explain alike. The FlashInfer bugs
 `auto` steers around are data; each retires once the kernels carry its fix."""
@@ -48,7 +46,6 @@ class FiArKnownIssue:
     effect: str
     fixed_in: str | None
     """The first FlashInfer release with the fix; None while unreleased."""
-    links: tuple[str, ...] = ()
 
 
 FI_AR_KNOWN_ISSUES = (
@@ -62,10 +59,6 @@ FI_AR_KNOWN_ISSUES = (
         applies=lambda inputs: inputs.hisparse is not False,
         effect="crashes with HiSparse (CUDA error: unspecified launch failure)",
         fixed_in="0.7.4",
-        links=(
-            "https://github.com/flashinfer-ai/flashinfer/issues/7782",
-            "https://github.com/vllm-project/vllm/issues/64327",
-        ),
     ),
     # oneshotAllreduceFusionKernel in include/flashinfer/comm/
     # trtllm_mnnvl_allreduce.cuh squares in T in 0.7.2.post1 (lines
