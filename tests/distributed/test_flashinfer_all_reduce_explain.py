@@ -40,10 +40,14 @@ def test_hisparse_on_one_node(explain, release, backend):
     assert lines[0] == f"FlashInfer all-reduce backend: {backend}"
     assert lines[1].startswith("  why: auto")
     if release == OLD:
-        assert "mnnvl crashes with HiSparse" in lines[1] and "flashinfer#7782" in lines[1]
+        assert (
+            "mnnvl crashes with HiSparse" in lines[1] and "flashinfer#7782" in lines[1]
+        )
         assert FIX in lines
     else:
-        assert not [line for line in lines if "flashinfer#7782" in line or "fix:" in line]
+        assert not [
+            line for line in lines if "flashinfer#7782" in line or "fix:" in line
+        ]
     assert lines[-1].startswith("  inputs: setting=auto; node_count=1;")
 
 

@@ -34,6 +34,21 @@ def _startup_lines(r: dict[str, Any]) -> list[str]:
     return [m for m in r["messages"] if "all-reduce backend for ranks" in m]
 
 
+def _rank_0s(results: list[dict[str, Any]], keep: Any = _startup_lines) -> list[str]:
+    """The lines `keep` picks: the group's rank 0 logs them, no other rank."""
+    for r in results[1:]:
+        assert not keep(r), f"rank {r['rank']} logs for the group too"
+    return keep(results[0])
+
+
+def _errors(r: dict[str, Any]) -> list[str]:
+    return [m for m in r["messages"] if m.startswith("ERROR")]
+
+
+def _give_ups(r: dict[str, Any]) -> list[str]:
+    return [m for m in r["messages"] if "every rank gave it up" in m]
+
+
 def test_the_gpu_is_read_from_the_platform(fi_ar, monkeypatch):
     group = importlib.import_module(GROUP_MODULE)
     assert group.device_capability() == 100
@@ -80,30 +95,33 @@ def test_the_communicator_loads_no_kernels(one_node, case):
 
 
 def test_float16_workspaces_get_trtllm_on_unfixed_kernels(one_node):
-    """The fp16 entry triggers on the workspace's dtype: the group's one
-    start-up line says what each workspace dtype gets, and why."""
-    for r in every_rank(one_node, "fp16"):
+    """The fp16 entry triggers on the workspace's dtype: the group's start-up
+    line, then one for float16 as its workspace is asked for, say what each
+    gets, and why."""
+    results = every_rank(one_node, "fp16")
+    for r in results:
         assert r["workspace"] == r["quant"] == "trtllm"
         assert r["standalone_ready"]
         assert "create:mnnvl" not in r["log"]
-        [line] = _startup_lines(r)
-        group, float16 = line.split("; float16: ")
-        assert group.startswith(
-            "INFO FlashInfer all-reduce backend for ranks (0, 1): mnnvl (auto, single "
-            "node (trtllm if NVSwitch multicast is unavailable))"
-        )
-        assert float16.startswith(
-            "trtllm (auto, the workspace is float16: using trtllm on a single node"
-        )
-        assert "mnnvl fp16 RMSNorm overflow" in float16
+    group, float16 = _rank_0s(results)
+    assert group.startswith(
+        "INFO FlashInfer all-reduce backend for ranks (0, 1): mnnvl (auto, single "
+        "node (trtllm if NVSwitch multicast is unavailable))"
+    )
+    assert float16.startswith(
+        "INFO FlashInfer all-reduce backend for ranks (0, 1): float16: trtllm "
+        "(auto, the workspace is float16: using trtllm on a single node"
+    )
+    assert "mnnvl fp16 RMSNorm overflow" in float16
 
 
 def test_float16_workspaces_get_mnnvl_on_fixed_kernels(one_node):
     """The default build's kernels square in fp32: fp16 stays on mnnvl."""
-    for r in every_rank(one_node, "fp16-fixed"):
+    results = every_rank(one_node, "fp16-fixed")
+    for r in results:
         assert r["workspace"] == r["quant"] == "mnnvl"
-        [line] = _startup_lines(r)
-        assert "float16" not in line
+    [line] = _rank_0s(results)
+    assert "float16" not in line
 
 
 def test_float16_workspace_is_sized_for_trtllm(one_node):
@@ -124,33 +142,35 @@ def test_float16_workspace_is_sized_for_trtllm(one_node):
 
 
 def test_explicit_mnnvl_for_float16_is_obeyed_with_one_warning(one_node):
-    for r in every_rank(one_node, "fp16-explicit-mnnvl"):
+    results = every_rank(one_node, "fp16-explicit-mnnvl")
+    for r in results:
         assert r["workspace"] == r["quant"] == "mnnvl"
-        # The group's line says what float16 gets; the warning comes as the
-        # float16 workspace, which runs into the issue, is created.
-        group, warning = _startup_lines(r)
-        assert group.startswith("INFO ") and "; float16: mnnvl (" in group
-        assert [warning] == [m for m in r["messages"] if m.startswith("WARNING")]
-        assert warning.startswith(
-            "WARNING FlashInfer all-reduce backend for ranks (0, 1): float16: mnnvl "
-            f"({ENV}=mnnvl is set explicitly, and mnnvl zeroes"
-        )
-        assert warning.endswith(f"Unset {ENV} to let vLLM pick a safe backend.")
+    # The group's line, then the warning as the float16 workspace, which
+    # runs into the issue, is asked for.
+    group, warning = _rank_0s(results)
+    assert group.startswith("INFO ") and "float16" not in group
+    assert [warning] == [m for m in results[0]["messages"] if m.startswith("WARN")]
+    assert warning.startswith(
+        "WARNING FlashInfer all-reduce backend for ranks (0, 1): float16: mnnvl "
+        f"({ENV}=mnnvl is set explicitly, and mnnvl zeroes"
+    )
+    assert warning.endswith(f"Unset {ENV} to let vLLM pick a safe backend.")
 
 
 def test_two_ranks_that_disagree_turn_it_off(one_node):
     """The error names each rank's own view, so the odd node can be found."""
-    for r in every_rank(one_node, "env-differs"):
+    results = every_rank(one_node, "env-differs")
+    for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["standalone_disabled"]
         assert r["log"] == [], "no workspace may be attempted"
-        [line] = [m for m in r["messages"] if m.startswith("ERROR")]
-        assert _views(line) == ["mnnvl (may fall back to trtllm)", "trtllm"]
-        assert line.endswith(
-            f"Make these the same on every node: {ENV}, the HiSparse config, the "
-            "GPU and the FlashInfer packages."
-        )
         assert r["resolved"] == [None, False]
+    [line] = _rank_0s(results, _errors)
+    assert _views(line) == ["mnnvl (may fall back to trtllm)", "trtllm"]
+    assert line.endswith(
+        f"Make these the same on every node: {ENV}, the HiSparse config, the "
+        "GPU and the FlashInfer packages."
+    )
 
 
 def test_a_failure_on_one_of_two_ranks_falls_back_on_both(one_node):
@@ -199,12 +219,13 @@ def test_ranks_that_disagree_turn_it_off(uneven_ranks, case):
         "env-differs": [mnnvl, "trtllm", mnnvl, mnnvl],
         "hisparse-differs": ["trtllm", mnnvl, mnnvl, mnnvl],
     }[case]
-    for r in every_rank(uneven_ranks, case):
+    results = every_rank(uneven_ranks, case)
+    for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["standalone_disabled"]
         assert r["log"] == [], "no workspace may be attempted"
-        [line] = [m for m in r["messages"] if m.startswith("ERROR")]
-        assert _views(line) == views
+    [line] = _rank_0s(results, _errors)
+    assert _views(line) == views
 
 
 def _views(line: str) -> list[str]:
@@ -246,14 +267,15 @@ def two_nodes_of_two() -> list[dict[str, dict[str, Any]]]:
 
 @requires_namespaces
 def test_one_node_of_two_failing_turns_every_rank_off(two_nodes_of_two):
-    for r in every_rank(two_nodes_of_two, "second-node-fails"):
+    results = every_rank(two_nodes_of_two, "second-node-fails")
+    for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["log"].count("create:mnnvl") == 1
-        [line] = [m for m in r["messages"] if "every rank gave it up" in m]
-        assert (
-            "failed on ranks 2, 3 (Failed to initialize FlashInfer All Reduce "
-            "workspace: injected mnnvl workspace failure before exchange.)"
-        ) in line
+    [line] = _rank_0s(results, _give_ups)
+    assert (
+        "failed on ranks 2, 3 (Failed to initialize FlashInfer All Reduce "
+        "workspace: injected mnnvl workspace failure before exchange.)"
+    ) in line
 
 
 @requires_namespaces
@@ -265,30 +287,32 @@ def test_a_multi_node_group_with_a_fabric_gets_mnnvl(two_nodes_of_two):
 
 @requires_namespaces
 def test_auto_is_off_across_nodes_without_a_fabric_on_every_rank(two_nodes_of_two):
-    for r in every_rank(two_nodes_of_two, "no-fabric-on-rank-3"):
+    results = every_rank(two_nodes_of_two, "no-fabric-on-rank-3")
+    for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["standalone_disabled"]
         assert r["log"] == [] and r["kernel_loads"] == []
-        [line] = _startup_lines(r)
-        assert line == (
-            "INFO FlashInfer all-reduce backend for ranks (0, 1, 2, 3): off (auto, "
-            "2 nodes on Blackwell: mnnvl is the only backend that spans nodes; but "
-            "mnnvl needs an NVLink fabric across nodes, and FlashInfer's "
-            "is_mnnvl_fabric_supported is false on rank 3, so FlashInfer all-reduce "
-            "is off)"
-        )
+    [line] = _rank_0s(results)
+    assert line == (
+        "INFO FlashInfer all-reduce backend for ranks (0, 1, 2, 3): off (auto, "
+        "2 nodes on Blackwell: mnnvl is the only backend that spans nodes; but "
+        "mnnvl needs an NVLink fabric across nodes, and FlashInfer's "
+        "is_mnnvl_fabric_supported is false on rank 3, so FlashInfer all-reduce "
+        "is off)"
+    )
 
 
 @requires_namespaces
 def test_explicit_mnnvl_across_nodes_without_a_fabric_is_off(two_nodes_of_two):
-    for r in every_rank(two_nodes_of_two, "no-fabric-explicit-mnnvl"):
+    results = every_rank(two_nodes_of_two, "no-fabric-explicit-mnnvl")
+    for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["log"] == [], "no workspace may be attempted"
-        [line] = _startup_lines(r)
-        assert line.startswith(
-            "INFO FlashInfer all-reduce backend for ranks (0, 1, 2, 3): off "
-            f"({ENV}=mnnvl is set explicitly; but mnnvl needs an NVLink fabric"
-        )
+    [line] = _rank_0s(results)
+    assert line.startswith(
+        "INFO FlashInfer all-reduce backend for ranks (0, 1, 2, 3): off "
+        f"({ENV}=mnnvl is set explicitly; but mnnvl needs an NVLink fabric"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -317,11 +341,12 @@ def fi074_older_provider(tmp_path_factory) -> list[dict[str, dict[str, Any]]]:
 def test_hisparse_across_nodes_counts_an_older_provider(fi074_older_provider):
     """The provider's kernels may run: off, and the line names it; without
     HiSparse, mnnvl as on any release."""
-    for r in every_rank(fi074_older_provider, "hisparse"):
+    results = every_rank(fi074_older_provider, "hisparse")
+    for r in results:
         assert r["workspace"] is None and r["quant"] is None
-        [line] = _startup_lines(r)
-        assert ": off (auto, HiSparse is on" in line
-        assert "the kernels of fi-cu129 0.7.2.post1" in line
+    [line] = _rank_0s(results)
+    assert ": off (auto, HiSparse is on" in line
+    assert "the kernels of fi-cu129 0.7.2.post1" in line
     for r in every_rank(fi074_older_provider, "auto"):
         assert r["workspace"] == r["quant"] == "mnnvl"
 
