@@ -1,7 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
-#  goes away with it.
 """A FlashInfer all-reduce workspace creation that ends the same way on every
 rank of its group, within a bound. Once the kernels load, FlashInfer's
 collectives and the vote go over the group's store, each wait ending at one

@@ -1,7 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Patch: added beside the replaced flashinfer_all_reduce.py (vllm#64327);
-#  goes away with it.
 """The FlashInfer all-reduce backend of a process group, agreed by its ranks.
 
 Creating a workspace is collective: ranks that create different ones hang.
