@@ -121,23 +121,11 @@ def ours(name: str) -> Any:
     return importlib.import_module(f"{FI_AR_PACKAGE}.flashinfer_all_reduce{name}")
 
 
-def counted_kernel_release(group: Any) -> dict[str, str | None]:
+def counted_kernel_release() -> dict[str, str | None]:
     """The FlashInfer release whose all-reduce kernels run, as this build
-    counts it (the policy's `kernel_release` over `installed_kernels`),
-    with the group's inputs as the build's own decision reads them."""
-    import vllm.envs as envs
-    from vllm.config import get_current_vllm_config_or_none
-
-    policy, fi_group = ours("_policy"), ours("_group")
-    release, package = policy.kernel_release(
-        policy.FiArBackendInputs(
-            setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
-            node_count=fi_group.group_node_count(group),
-            device_capability=fi_group.device_capability(),
-            hisparse=fi_group.hisparse_enabled(get_current_vllm_config_or_none()),
-            kernels=policy.installed_kernels(),
-        )
-    )
+    counts it (the policy's `kernel_release` over `installed_kernels`)."""
+    policy = ours("_policy")
+    release, package = policy.kernel_release(policy.installed_kernels())
     return {"release": None if release is None else str(release), "package": package}
 
 
@@ -194,7 +182,7 @@ class Rank:
         # Its module globals are what the op calls; they get replaced.
         self.op_module: Any = cast(Any, importlib.import_module(OP_MODULE))
         self.fi_ar = ours("")
-        kernel = counted_kernel_release(self.tp_group.cpu_group)
+        kernel = counted_kernel_release()
         if not self.cuda:
             sys.path.insert(0, str(CPU_KERNELS))
             self.cpu: Any = importlib.import_module("fused_all_reduce_cpu")
@@ -215,7 +203,7 @@ class Rank:
             "info",
             decided_backend=self.decided_backend,
             kernel=kernel,
-            nodes=ours("_group").group_node_count(self.tp_group.cpu_group),
+            nodes=ours("_group").agreed(self.tp_group.cpu_group).node_count,
             platform=self.gpu.describe(self.device) if self.gpu else {},
             lines=list(self.lines.lines),
         )

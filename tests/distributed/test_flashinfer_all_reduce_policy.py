@@ -208,7 +208,7 @@ def test_the_oldest_kernels_count(policy, kernels, oldest, package):
     """Whichever of them serves MNNVL, the oldest can only keep a workaround;
     the reason names it."""
     inputs = _inputs(policy, hisparse=True, kernels=kernels)
-    release, named = policy.kernel_release(inputs)
+    release, named = policy.kernel_release(kernels)
     assert release == (oldest and policy.Version(oldest))
     assert named.startswith(package)
     decision = policy.decide_fi_ar_backend(inputs)
@@ -256,7 +256,7 @@ def test_installed_kernels_a_provider_list_that_raises_is_unreadable(
     kernels = policy.installed_kernels()
     assert kernels[:2] == (FI074, SHIM) and len(kernels) == 3
     inputs = _inputs(policy, hisparse=True, kernels=kernels)
-    assert policy.kernel_release(inputs)[0] is None
+    assert policy.kernel_release(kernels)[0] is None
     assert policy.decide_fi_ar_backend(inputs).backend == "trtllm"
 
 

@@ -33,7 +33,7 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import
     on_every_rank,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
-    group_node_count,
+    agreed,
     resolve_fi_ar_backend,
 )
 from vllm.logger import init_logger
@@ -82,7 +82,7 @@ def _get_tuned_standalone_max_size(
     if capability is None:
         return None
     max_size_mb = FI_MNNVL_ALLREDUCE_MAX_SIZE_MB.get(
-        (capability.to_int(), world_size, group_node_count(group))
+        (capability.to_int(), world_size, agreed(group).node_count)
     )
     return None if max_size_mb is None else int(max_size_mb * MiB)
 
@@ -200,7 +200,7 @@ def get_fi_ar_workspace(
     if backend is None:
         return None
 
-    if backend == "trtllm" and group_node_count(group) > 1:
+    if backend == "trtllm" and agreed(group).node_count > 1:
         raise ValueError(
             "Flashinfer allreduce is not supported for multi-node allreduce with "
             "'trtllm' backend. Please use 'mnnvl' backend instead."
@@ -271,7 +271,7 @@ def get_fi_ar_quant_workspace(
     if backend is None:
         return None
 
-    if backend == "trtllm" and group_node_count(group) > 1:
+    if backend == "trtllm" and agreed(group).node_count > 1:
         raise ValueError(
             "Flashinfer allreduce quantization fusion is not supported for "
             "multi-node allreduce with 'trtllm' backend. Please use 'mnnvl' "

@@ -43,6 +43,7 @@ class Agreement:
 
     decisions: Decisions
     node_count: int
+    """vLLM's count for the group, taken here once: counting is collective."""
     failed: set[str] = dataclasses.field(default_factory=set)
     """The backends whose creation every rank gave up: not tried again."""
     creations: int = 0
@@ -60,20 +61,6 @@ def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Agreement:
     if group not in _groups:
         _groups[group] = _agree(group, config)
     return _groups[group]
-
-
-def group_node_count(group: ProcessGroup) -> int:
-    """vLLM's node count of `group`, counted once, at its agreement:
-    counting nodes is collective."""
-    return agreed(group).node_count
-
-
-def hisparse_enabled(config: VllmConfig | None) -> bool | None:
-    """vLLM sets `hisparse_config` for a HiSparseConnector, also inside a
-    MultiConnector; None without a vLLM config: unknown."""
-    return (
-        None if config is None else config.attention_config.hisparse_config is not None
-    )
 
 
 def device_capability() -> int | None:
@@ -117,11 +104,13 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
     Ranks can see different inputs (the variable set on one node only), and
     ranks that create different workspaces hang: disagreeing, they are off.
     """
+    # vLLM sets hisparse_config for a HiSparseConnector, also in a MultiConnector.
+    attention = None if config is None else config.attention_config
     inputs = FiArBackendInputs(
         setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
         node_count=_node_count(group),
         device_capability=device_capability(),
-        hisparse=hisparse_enabled(config),
+        hisparse=None if attention is None else attention.hisparse_config is not None,
         kernels=installed_kernels(),
     )
     if inputs.hisparse is None:

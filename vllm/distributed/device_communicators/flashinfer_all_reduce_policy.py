@@ -114,11 +114,11 @@ def installed_kernels() -> tuple[tuple[str, str], ...]:
     return tuple(kernels)
 
 
-def kernel_release(inputs: FiArBackendInputs) -> tuple[Version | None, str]:
-    """The oldest release among the kernels that may run, and its package;
-    None (no fix counts) without flashinfer-python or a readable release."""
+def kernel_release(kernels: Iterable[tuple[str, str]]) -> tuple[Version | None, str]:
+    """The oldest release among `kernels` (FiArBackendInputs.kernels), and
+    its package; None (no fix counts) without any or an unreadable one."""
     oldest: tuple[Version | None, str] = (None, "no flashinfer-python")
-    for package, release in inputs.kernels:
+    for package, release in kernels:
         try:
             parsed = Version(release)
         except InvalidVersion:
@@ -153,67 +153,53 @@ def decide_fi_ar_backend(
     """The backend for `inputs`: explicit settings are obeyed; `auto` takes
     the first of vLLM's candidates that no unfixed known issue breaks, and
     is off when none is left."""
-    release, package = kernel_release(inputs)
+    release, package = kernel_release(inputs.kernels)
 
     def unfixed(backend: str) -> FiArKnownIssue | None:
-        return next(
-            (
-                issue
-                for issue in known_issues
-                if issue.backend == backend
-                and issue.applies(inputs)
-                and not (
-                    release and issue.fixed_in and release >= Version(issue.fixed_in)
-                )
-            ),
-            None,
-        )
+        for issue in known_issues:
+            fixed = release and issue.fixed_in and release >= Version(issue.fixed_in)
+            if issue.backend == backend and issue.applies(inputs) and not fixed:
+                return issue
+        return None
 
     if inputs.setting != "auto":
-        setting, issue = inputs.setting, unfixed(inputs.setting)
-        reason = f"{FI_AR_BACKEND_ENV}={setting} is set explicitly"
+        backend: str | None = inputs.setting
+        issue = unfixed(inputs.setting)
+        allow_fallback = False
+        reason = f"{FI_AR_BACKEND_ENV}={backend} is set explicitly"
         if issue is not None:
-            reason += f", and {setting} {issue.effect} on {_see(issue, package)}"
-        return _usable(inputs, FiArBackendDecision(setting, False, reason, issue))
-    candidates, reason = _auto_candidates(inputs)
-    safe = [backend for backend in candidates if unfixed(backend) is None]
-    backend = safe[0] if safe else None
-    allow_fallback = backend == "mnnvl" and "trtllm" in safe
-    if candidates and (issue := unfixed(candidates[0])) is not None:
-        if backend is not None:
-            action = f"using {backend} on a single node"
-        elif inputs.node_count > 1:
-            action = f"off on {inputs.node_count} nodes (trtllm cannot span nodes)"
-        else:
-            action = "off (no backend is left)"
-        reason = (
-            f"auto, {issue.trigger}: {action}, as {issue.backend} {issue.effect} "
-            f"on {_see(issue, package)}"
+            reason += f", and {backend} {issue.effect} on {_see(issue, package)}"
+    else:
+        candidates, reason = _auto_candidates(inputs)
+        safe = [backend for backend in candidates if unfixed(backend) is None]
+        backend = safe[0] if safe else None
+        allow_fallback = backend == "mnnvl" and "trtllm" in safe
+        issue = unfixed(candidates[0]) if candidates else None
+        if issue is not None:
+            if backend is not None:
+                action = f"using {backend} on a single node"
+            elif inputs.node_count > 1:
+                action = f"off on {inputs.node_count} nodes (trtllm cannot span nodes)"
+            else:
+                action = "off (no backend is left)"
+            reason = (
+                f"auto, {issue.trigger}: {action}, as {issue.backend} {issue.effect} "
+                f"on {_see(issue, package)}"
+            )
+    # Across nodes mnnvl needs an NVLink fabric on every rank (vllm#51986).
+    if backend == "mnnvl" and inputs.node_count > 1 and inputs.no_fabric:
+        backend, allow_fallback = None, False
+        reason += (
+            "; but mnnvl needs an NVLink fabric across nodes, and FlashInfer's "
+            f"is_mnnvl_fabric_supported is false on {some_ranks(inputs.no_fabric)}, "
+            "so FlashInfer all-reduce is off"
         )
-        return _usable(inputs, FiArBackendDecision(backend, False, reason, issue))
-    return _usable(inputs, FiArBackendDecision(backend, allow_fallback, reason))
+    return FiArBackendDecision(backend, allow_fallback, reason, issue)
 
 
 def _see(issue: FiArKnownIssue, package: str) -> str:
     fixed = f"fixed in {issue.fixed_in}" if issue.fixed_in else "unfixed"
     return f"the kernels of {package} ({issue.name}, {fixed})"
-
-
-def _usable(
-    inputs: FiArBackendInputs, decision: FiArBackendDecision
-) -> FiArBackendDecision:
-    """Off where mnnvl cannot work: across nodes without an NVLink fabric
-    on every rank (vllm#51986)."""
-    if decision.backend != "mnnvl" or inputs.node_count == 1 or not inputs.no_fabric:
-        return decision
-    return FiArBackendDecision(
-        None,
-        False,
-        f"{decision.reason}; but mnnvl needs an NVLink fabric across nodes, and "
-        f"FlashInfer's is_mnnvl_fabric_supported is false on "
-        f"{some_ranks(inputs.no_fabric)}, so FlashInfer all-reduce is off",
-        decision.known_issue,
-    )
 
 
 def some_ranks(ranks: Iterable[int]) -> str:
