@@ -10,7 +10,7 @@ import importlib.util
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 from packaging.version import Version
 
@@ -28,13 +28,10 @@ FUSION = "vllm.compilation.passes.fusion.allreduce_rms_fusion"
 SIZE_TABLE = "FI_ALLREDUCE_FUSION_MAX_SIZE_MB"
 
 
-class UsageError(Exception):
-    """Printed as one line, exit status 2."""
-
-
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:
-        raise UsageError(message)
+    def error(self, message: str) -> NoReturn:
+        """One stderr line, without argparse's usage block; exit status 2."""
+        self.exit(2, f"error: {message}\n")
 
 
 def _capability(text: str) -> int:
@@ -127,14 +124,11 @@ def _answer(args: argparse.Namespace) -> tuple[list[str], int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = _parser().parse_args(argv)
-        if args.nnodes < 1 or args.tensor_parallel_size < 1:
-            raise UsageError("--nnodes and -tp must be at least 1")
-        lines, status = _answer(args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.nnodes < 1 or args.tensor_parallel_size < 1:
+        parser.error("--nnodes and -tp must be at least 1")
+    lines, status = _answer(args)
     print("\n".join(lines))
     return status
 

@@ -26,7 +26,10 @@ def explain(capsys, monkeypatch):
     command = importlib.import_module(MODULE)
 
     def run(*argv: str) -> tuple[int, list[str], str]:
-        status = command.main(list(argv))
+        try:
+            status = command.main(list(argv))
+        except SystemExit as e:  # a usage error, as argparse exits
+            status = e.code
         out, err = capsys.readouterr()
         return status, out.splitlines(), err
 

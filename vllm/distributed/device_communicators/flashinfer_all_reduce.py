@@ -451,9 +451,8 @@ class FlashInferAllReduce:
         self.disabled = False
 
     def _size_workspace(self, hidden_dim: int, dtype: torch.dtype) -> None:
-        """Size as __init__ does, for the backend a `dtype` workspace gets (a
-        known issue can move one dtype to trtllm). The creation asks for the
-        untuned size at most: get_fi_ar_workspace tunes it for mnnvl alone."""
+        """Size as __init__ does, for the backend a `dtype` workspace gets; the
+        creation asks for the untuned size: get_fi_ar_workspace tunes mnnvl's."""
         max_size_mb = PassConfig.default_fi_allreduce_fusion_max_size_mb()
         untuned_size = int(max_size_mb[self.world_size] * MiB)
         if _resolve_fi_ar_backend(self.group, dtype)[0] == "trtllm":

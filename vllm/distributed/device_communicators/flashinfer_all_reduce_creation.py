@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """A FlashInfer all-reduce workspace creation that ends the same way on every
-rank of its group, within a bound. Once the kernels load, FlashInfer's
-collectives and the vote go over the group's store, each wait ending at one
-deadline: never on vLLM's group (30 minutes for gloo), nor on a process
-group of our own (see flashinfer_all_reduce_group)."""
+rank of its group, within a bound: once the kernels load, FlashInfer's
+collectives and the vote wait on the group's store until one deadline, not
+on vLLM's gloo group (30 minutes) nor on a process group of our own."""
 
 import functools
 import importlib
@@ -65,11 +64,10 @@ def _load_kernels(backend: str) -> str | None:
 
 
 class Creation:
-    """One creation on this rank. Until it ends, FlashInfer's CommBackend
-    (`comm_backend`): collectives over the group's store that wait until
-    the deadline, or until a rank they wait for has voted (it left the
-    creation). Then the vote. The allreduce fusion workspaces of
-    flashinfer-python 0.7.2.post1 and 0.7.4 call no other method."""
+    """One creation on this rank: FlashInfer's CommBackend (`comm_backend`),
+    whose collectives go over the group's store and wait until the deadline
+    or until a rank they wait for has voted (it left the creation); then the
+    vote. These are the methods flashinfer-python 0.7.2.post1 and 0.7.4 call."""
 
     def __init__(self, group: ProcessGroup, key: str, bound: int):
         self._store = dist.PrefixStore(key, group.get_group_store())
@@ -86,8 +84,8 @@ class Creation:
         """The step where this rank stopped, and the ranks it stopped for."""
 
     def comm_backend(self, after: Any) -> "Creation":
-        """Itself; `after`'s collectives on vLLM's group once the creation
-        ends (FlashInfer keeps it for `checkpoint_prepare`'s barrier)."""
+        """Itself; after the creation, its barrier is `after`'s, on vLLM's group
+        (FlashInfer's only later call: the workspace's checkpoint_prepare)."""
         self._after = after
         return self
 
@@ -103,13 +101,9 @@ class Creation:
         return len(self.ranks)
 
     def allgather(self, data: Any) -> tuple[Any, ...]:
-        if self.done:
-            return self._after.allgather(data)
         return tuple(self._exchange(data, range(len(self.ranks))))
 
     def bcast(self, data: Any, root: int) -> Any:
-        if self.done:
-            return self._after.bcast(data, root)
         return self._exchange(data, [root])[0]
 
     def barrier(self) -> None:
@@ -224,13 +218,10 @@ def _decide(ranks: tuple[int, ...], votes: dict[int, tuple], bound: int) -> tupl
 
 
 def on_every_rank(registry: dict[int, Any]) -> Callable[[Callable], Callable]:
-    """Makes `create` (backend first, group last, as upstream's
-    _create_workspace; None on failure, `creation` given) end the same way
-    on every rank of its group: all keep the workspace, give it up or raise
-    the same error, within FI_AR_CREATE_TIMEOUT_S (or FI_AR_CREATE_TIMEOUT_ENV)
-    plus VOTE_GRACE_S once the kernels are loaded. A workspace the group gives
-    up is destroyed and taken out of `registry` (workspaces by id); a failed
-    backend is not tried again, nor any after a rank did not answer."""
+    """Makes `create` (upstream's _create_workspace, given `creation`) end the
+    same way on every rank of its group, within FI_AR_CREATE_TIMEOUT_S or its
+    setting plus VOTE_GRACE_S once the kernels load: all keep the workspace, give
+    it up (destroyed, out of `registry`, not tried again) or raise one error."""
 
     def decorate(create: Callable) -> Callable:
         @functools.wraps(create)

@@ -1,11 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The FlashInfer all-reduce backend of a process group, agreed by its ranks.
-
-Creating a workspace is collective: ranks that create different ones hang.
-So the ranks of a group agree on the backend once, in one round on vLLM's
-group, and make no process group of their own (torch numbers groups per
-process, so one more on some ranks hangs every later new_group)."""
+"""The FlashInfer all-reduce backend of a process group, agreed by its ranks:
+ranks that create different workspaces hang. They agree once, in one round
+on vLLM's group, and make no process group of their own (torch numbers groups
+per process, so one more on some ranks hangs every later new_group)."""
 
 import dataclasses
 import importlib
@@ -149,34 +147,27 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
     return Agreement(decisions, inputs.node_count)
 
 
-def _log_once(group: ProcessGroup, state: Agreement, key: str | None) -> None:
-    """The start-up line, from the group's own rank 0 whatever its local rank
-    (vLLM's *_once lines print on each node's local rank 0), once per
-    group: the first workspace dtype's backend, then a line for each later
-    dtype that gets another decision (a known issue can move one alone)."""
-    d = state.decisions.get(key, state.decisions[None])
-    if d in state.logged or dist.get_rank(group) != 0:
-        return
-    state.logged.add(d)
-    warn = d.known_issue is not None and d.known_issue.backend == d.backend
-    (logger.warning if warn else logger.info)(
-        "FlashInfer all-reduce backend for ranks %s: %s%s (%s)%s",
-        group_ranks(group),
-        f"{key}: " * (d != state.decisions[None]),
-        d.backend or "off",
-        d.reason,
-        f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." * warn,
-    )
-
-
 def resolve_fi_ar_backend(
     group: ProcessGroup, dtype: torch.dtype | None, config: VllmConfig | None
 ) -> tuple[str | None, bool]:
     """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for
-    a workspace of `dtype` (None: not yet known). Agreed once per group, at
-    its first call: under the config current there (`config`)."""
+    a workspace of `dtype` (None: not yet known), agreed at the group's first
+    call under the config current there (`config`). The group's own rank 0
+    logs it, whatever its local rank (vLLM's *_once lines print on each
+    node's local rank 0): the first dtype's line, then one for each later
+    dtype that gets another decision (a known issue can move one alone)."""
     state = agreed(group, config)
     key = None if dtype is None else str(dtype).removeprefix("torch.")
-    _log_once(group, state, key)
-    decision = state.decisions.get(key, state.decisions[None])
-    return decision.backend, decision.allow_trtllm_fallback
+    d = state.decisions.get(key, state.decisions[None])
+    if d not in state.logged and dist.get_rank(group) == 0:
+        state.logged.add(d)
+        warn = d.known_issue is not None and d.known_issue.backend == d.backend
+        (logger.warning if warn else logger.info)(
+            "FlashInfer all-reduce backend for ranks %s: %s%s (%s)%s",
+            group_ranks(group),
+            f"{key}: " * (d != state.decisions[None]),
+            d.backend or "off",
+            d.reason,
+            f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." * warn,
+        )
+    return d.backend, d.allow_trtllm_fallback

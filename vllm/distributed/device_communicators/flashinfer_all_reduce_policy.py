@@ -88,13 +88,10 @@ class FiArBackendDecision:
 
 
 def installed_kernels() -> tuple[tuple[str, str], ...]:
-    """The FlashInfer packages installed here whose kernels may run.
-
-    flashinfer-python, a flashinfer-jit-cache shim and each provider it
-    lists. Which of them FlashInfer loads a module from is its own rule
-    (flashinfer/jit/env.py): every one counts, so the oldest can only keep
-    a workaround that FlashInfer's choice would not need, never drop one.
-    """
+    """The installed FlashInfer packages whose kernels may run: flashinfer-python,
+    a flashinfer-jit-cache shim and each provider it lists. Which one FlashInfer
+    loads from is its own rule (flashinfer/jit/env.py): counting every one can
+    only keep a workaround, never drop one."""
     try:
         kernels = [("flashinfer-python", version("flashinfer-python"))]
     except PackageNotFoundError:
