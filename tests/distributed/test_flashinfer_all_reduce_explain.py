@@ -42,6 +42,9 @@ def test_hisparse_on_one_node(explain, release, backend):
     assert status == 0
     assert lines[0] == f"FlashInfer all-reduce backend: {backend}"
     assert lines[1].startswith("  why: auto")
+    assumed = "  assumed: NVSwitch multicast, which start-up probes"
+    assert (assumed in lines) == (backend == "mnnvl")
+    assert f"; kernels=flashinfer-python {release};" in lines[-1]
     if release == OLD:
         assert (
             "mnnvl crashes with HiSparse" in lines[1] and "flashinfer#7782" in lines[1]
@@ -92,7 +95,12 @@ def test_two_nodes_before_blackwell_are_off(explain):
 
 @pytest.mark.parametrize(
     ("tp", "capability", "first"),
-    [("3", "10.0", "off"), ("16", "9.0", "off"), ("4", "9.0", "mnnvl")],
+    [
+        ("3", "10.0", "off"),
+        ("16", "9.0", "off"),
+        ("4", "9.0", "mnnvl"),
+        ("1", "10.0", "off"),
+    ],
 )
 def test_a_tp_size_without_a_fusion_size_is_off_as_at_start_up(
     explain, tp, capability, first
@@ -154,7 +162,8 @@ def test_no_answer_refers_to_explain(explain):
 
 
 @pytest.mark.parametrize(
-    ("text", "value"), [("10.0", 100), ("100", 100), ("9.0", 90), ("12.1", 121)]
+    ("text", "value"),
+    [("10.0", 100), ("100", 100), ("9.0", 90), ("12.1", 121), ("70", 70)],
 )
 def test_capability_as_vllm_prints_it_or_its_integer(text, value):
     assert importlib.import_module(MODULE)._capability(text) == value
@@ -169,6 +178,8 @@ def test_capability_as_vllm_prints_it_or_its_integer(text, value):
         (("--capability", "10.0"), "the following arguments are required: -tp"),
         (("-tp", "8"), "the following arguments are required: --capability"),
         ((*B200, "--nnodes", "0"), "--nnodes and -tp must be at least 1"),
+        (("-tp", "0", "--capability", "10.0"), "--nnodes and -tp must be at least 1"),
+        (("-tp", "8", "--capability", "69"), "'69': give it as 10.0 or as 100"),
         ((*B200, "--flashinfer-version", "new"), "invalid Version value"),
         ((*B200, "--backend", "nccl"), "invalid choice"),
         ((*B200, "--dtype", "int8"), "invalid choice"),

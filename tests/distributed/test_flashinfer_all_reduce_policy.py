@@ -135,22 +135,40 @@ def test_explicit_mnnvl_with_fp16_is_obeyed_and_names_the_issue(policy):
     assert FP16_ISSUE in decision.reason and "0.7.4" in decision.reason
 
 
+ON_ONE_NODE = "using trtllm on a single node"
+ACROSS_NODES = "off on 2 nodes (trtllm cannot span nodes)"
+
+
 @pytest.mark.parametrize(
-    ("overrides", "name"),
+    ("overrides", "name", "action"),
     [
-        ({"hisparse": True}, "flashinfer#7782"),
-        ({"hisparse": True, "node_count": 2}, "flashinfer#7782"),
-        ({"hisparse": True, "setting": "mnnvl"}, "flashinfer#7782"),
-        ({"dtype": "float16"}, FP16_ISSUE),
-        ({"dtype": "float16", "node_count": 2}, FP16_ISSUE),
+        ({"hisparse": True}, "flashinfer#7782", ON_ONE_NODE),
+        ({"hisparse": True, "node_count": 2}, "flashinfer#7782", ACROSS_NODES),
+        ({"hisparse": True, "setting": "mnnvl"}, "flashinfer#7782", "explicitly"),
+        ({"dtype": "float16"}, FP16_ISSUE, ON_ONE_NODE),
+        ({"dtype": "float16", "node_count": 2}, FP16_ISSUE, ACROSS_NODES),
     ],
 )
-def test_the_reason_names_backend_issue_kernels_and_fix(policy, overrides, name):
-    """One log line: which backend breaks, on whose kernels, which issue,
-    and where it is fixed."""
+def test_the_reason_names_backend_issue_kernels_and_fix(
+    policy, overrides, name, action
+):
+    """One log line: what `auto` did, which backend breaks, on whose
+    kernels, which issue, and where it is fixed."""
     reason = policy.decide_fi_ar_backend(_inputs(policy, **overrides)).reason
-    for words in ("mnnvl", name, "flashinfer-python 0.7.2.post1", "fixed in 0.7.4"):
+    for words in (action, name, "mnnvl", "flashinfer-python 0.7.2.post1"):
         assert words in reason
+    assert "fixed in 0.7.4" in reason
+
+
+@pytest.mark.parametrize(
+    ("no_fabric", "named"), [((3,), "rank 3"), ((3, 2), "ranks 2, 3")]
+)
+def test_the_ranks_without_a_fabric_are_named(policy, no_fabric, named):
+    inputs = _inputs(policy, node_count=2, no_fabric=no_fabric)
+    assert policy.decide_fi_ar_backend(inputs).reason.endswith(
+        f"is_mnnvl_fabric_supported is false on {named}, so FlashInfer all-reduce "
+        "is off"
+    )
 
 
 def test_every_known_issue_names_a_backend(policy):
@@ -168,6 +186,7 @@ def test_an_entry_that_breaks_trtllm_is_checked_for_the_replacement(policy):
     hisparse = policy.decide_fi_ar_backend(_inputs(policy, hisparse=True), issues)
     assert (hisparse.backend, hisparse.allow_trtllm_fallback) == (None, False)
     assert hisparse.known_issue.name == "flashinfer#7782"
+    assert "off (no backend is left)" in hisparse.reason
     # Without HiSparse, mnnvl still; but it may not fall back to trtllm.
     plain = policy.decide_fi_ar_backend(_inputs(policy), issues)
     assert (plain.backend, plain.allow_trtllm_fallback) == ("mnnvl", False)
