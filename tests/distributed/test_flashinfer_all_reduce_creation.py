@@ -420,6 +420,23 @@ def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
     assert dist.get_world_size(cpu_group) == 1
 
 
+def test_the_comm_backend_answers_flashinfers_calls(fi_ar, cpu_group):
+    """What FlashInfer's handle exchange calls: rank, size, allgather and
+    bcast, each answered in the group's order."""
+    creation = importlib.import_module(CREATION_MODULE)
+    seen: list[Any] = []
+
+    @creation.on_every_rank(registry={})
+    def create(backend: str, group: Any, creation: Any = None) -> object:
+        calls = (creation.Get_rank(), creation.Get_size(), creation.allgather("a"))
+        seen.append((*calls, creation.bcast("b", root=0)))
+        return object()
+
+    assert create("trtllm", cpu_group) is not None
+    assert seen == [(0, 1, ("a",), "b")]
+    assert creation_keys_left(cpu_group) == []
+
+
 def test_upstreams_own_errors_propagate(fi_ar, fake_ws, cpu_group, monkeypatch):
     """A workspace FlashInfer ties to another group is upstream's
     RuntimeError, not a failed creation."""
