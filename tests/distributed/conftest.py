@@ -156,6 +156,12 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
                 "first": "standalone",
             },
             {
+                "name": "bf16-sm100-row-no-multicast",
+                "tuned": [100, 2, 1, 128],
+                "first": "standalone",
+                "multicast": False,
+            },
+            {
                 "name": "fp16-explicit-mnnvl",
                 "dtype": "float16",
                 "env": {ENV: "mnnvl"},

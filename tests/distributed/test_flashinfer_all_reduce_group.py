@@ -141,6 +141,17 @@ def test_float16_workspace_is_sized_for_trtllm(one_node):
         assert r["standalone_size"] == [128 * 2**20, tuned_tokens]
 
 
+def test_a_standalone_fallback_to_trtllm_is_sized_for_trtllm(one_node):
+    """The standalone all-reduce reaches the workspace first; mnnvl, created
+    at its tuned size, has no multicast: the trtllm fallback is created at
+    the fusion table's size, not at mnnvl's tuned one."""
+    fusion_tokens = FUSION_MAX_SIZE_MB[2] * 2**20 // (HIDDEN_DIM * 2)
+    tuned_tokens = 128 * 2**20 // (HIDDEN_DIM * 2)
+    for r in every_rank(one_node, "bf16-sm100-row-no-multicast"):
+        assert r["standalone_first"]
+        assert r["sizes"] == [["mnnvl", tuned_tokens], ["trtllm", fusion_tokens]]
+
+
 def test_explicit_mnnvl_for_float16_is_obeyed_with_one_warning(one_node):
     results = every_rank(one_node, "fp16-explicit-mnnvl")
     for r in results:
