@@ -29,6 +29,11 @@ from fi_ar_utils import (
 
 from vllm.config import set_current_vllm_config
 
+# Token counts of a 2-byte row of HIDDEN_DIM: in the fusion table's size for
+# TP2, and in the tuned mnnvl row (128 MB) that the sizing cases add.
+FUSION_TOKENS = FUSION_MAX_SIZE_MB[2] * 2**20 // (HIDDEN_DIM * 2)
+TUNED_TOKENS = 128 * 2**20 // (HIDDEN_DIM * 2)
+
 
 def _startup_lines(r: dict[str, Any]) -> list[str]:
     return [m for m in r["messages"] if "all-reduce backend for ranks" in m]
@@ -129,27 +134,23 @@ def test_float16_workspace_is_sized_for_trtllm(one_node):
     workspace that the standalone all-reduce creates first is trtllm, sized
     as stock sizes trtllm (the fusion size table), not with mnnvl's tuned
     size; should_use_fi_ar checks against the same figure."""
-    fusion_tokens = FUSION_MAX_SIZE_MB[2] * 2**20 // (HIDDEN_DIM * 2)
     for r in every_rank(one_node, "fp16-sm100-row"):
         assert r["standalone_first"]
-        assert r["sizes"] == [["trtllm", fusion_tokens]]
-        assert r["standalone_size"] == [FUSION_MAX_SIZE_MB[2] * 2**20, fusion_tokens]
+        assert r["sizes"] == [["trtllm", FUSION_TOKENS]]
+        assert r["standalone_size"] == [FUSION_MAX_SIZE_MB[2] * 2**20, FUSION_TOKENS]
     # The same row sizes bfloat16's mnnvl workspace from the tuned table.
-    tuned_tokens = 128 * 2**20 // (HIDDEN_DIM * 2)
     for r in every_rank(one_node, "bf16-sm100-row"):
-        assert r["sizes"] == [["mnnvl", tuned_tokens]]
-        assert r["standalone_size"] == [128 * 2**20, tuned_tokens]
+        assert r["sizes"] == [["mnnvl", TUNED_TOKENS]]
+        assert r["standalone_size"] == [128 * 2**20, TUNED_TOKENS]
 
 
 def test_a_standalone_fallback_to_trtllm_is_sized_for_trtllm(one_node):
     """The standalone all-reduce reaches the workspace first; mnnvl, created
     at its tuned size, has no multicast: the trtllm fallback is created at
     the fusion table's size, not at mnnvl's tuned one."""
-    fusion_tokens = FUSION_MAX_SIZE_MB[2] * 2**20 // (HIDDEN_DIM * 2)
-    tuned_tokens = 128 * 2**20 // (HIDDEN_DIM * 2)
     for r in every_rank(one_node, "bf16-sm100-row-no-multicast"):
         assert r["standalone_first"]
-        assert r["sizes"] == [["mnnvl", tuned_tokens], ["trtllm", fusion_tokens]]
+        assert r["sizes"] == [["mnnvl", TUNED_TOKENS], ["trtllm", FUSION_TOKENS]]
 
 
 def test_explicit_mnnvl_for_float16_is_obeyed_with_one_warning(one_node):
