@@ -8,10 +8,13 @@ build's decision and HiSparse on; per token count, a CUDA graph of L
 DeepSeek V3.2 decoder layers (vLLM's `fused_allreduce_rms_norm` twice a
 layer, the residual chained, a GEMM before each call, HiSparse's host
 traffic in flight across them), replayed back to back, every output checked
-against the kernels' own arithmetic. PASS exits 0, FAIL 1, bad input 2.
+against the kernels' own arithmetic. PASS exits 0, FAIL 1, bad input 2,
+a deployment vLLM would not fuse included: its TP size without a row of
+vLLM's fusion table at the GPUs' capability (--capability on CPU).
 
     python benchmarks/check_fused_all_reduce.py -tp 8 [--seconds 120] [--json]
     python benchmarks/check_fused_all_reduce.py -tp 8 --self-test
+    python benchmarks/check_fused_all_reduce.py -tp 8 --device cpu [--capability 9.0]
 
 The backend is VLLM_FLASHINFER_ALLREDUCE_BACKEND's, as for `vllm serve`.
 What a result means: docs/configuration/flashinfer_all_reduce.md

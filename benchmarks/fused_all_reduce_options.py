@@ -2,13 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The command line of check_fused_all_reduce.py, and its refusals:
 `validate` refuses bad input before anything starts, with one line
-(BadInput)."""
+(BadInput), a deployment vLLM would not fuse included."""
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any
 
-from fused_all_reduce_summary import BACKEND_ENV, PROG
+from fused_all_reduce_summary import BACKEND_ENV, PROG, sm
 
 DTYPES = ("bf16", "fp16")
 HIDDEN_SIZES = (7168, 6144)
@@ -18,6 +19,12 @@ GPU_LAYERS, CPU_LAYERS = 8, 2
 # wrong, die and stall are --self-test's; kill (no last words) and fallback
 # (the op's gate refuses every call, on every rank) are for the tests.
 INJECT_KINDS = ("wrong", "die", "stall", "kill", "fallback")
+# The capability whose row of vLLM's fusion table a CPU run is judged by,
+# unless --capability gives another: B200's, whose figures the README cites.
+CPU_CAPABILITY = 100
+# A refusal lists the table's rows among these group sizes: up to GB200
+# NVL72's 72 GPUs, the largest NVLink domain.
+LISTED_TP_SIZES = range(2, 73)
 
 
 class BadInput(Exception):
@@ -38,6 +45,13 @@ def parse_args(argv: list[str], description: str = "") -> argparse.Namespace:
         type=int,
         required=True,
         help="ranks (GPUs) in the tensor-parallel group, as for vllm serve",
+    )
+    add(
+        "--capability",
+        metavar="CC",
+        help="the GPUs' compute capability, as 10.0 or 100, whose row of vLLM's "
+        "fusion table decides whether -tp is fused (default: the GPUs'; "
+        f"{sm(CPU_CAPABILITY)} with --device cpu)",
     )
     add("--seconds", type=float, default=120.0, help="replay time (default 120)")
     add("--json", action="store_true", help="print the result as JSON on stdout")
@@ -120,8 +134,20 @@ def validate(args: argparse.Namespace) -> None:
     if any(h < 1 for h in args.hidden_sizes):
         raise BadInput("--hidden-sizes must be positive")
     args.inject_spec = parse_inject(args.inject, args.tp)
-    import vllm.envs as envs
+    import torch  # noqa: F401 (its loggers, set up on import)
 
+    # vLLM's import-time registrations draw torch's deprecation warnings,
+    # not the user's to act on: a refusal stays one line.
+    logging.getLogger("torch").setLevel(logging.ERROR)
+    import vllm.envs as envs
+    from vllm.explain_flashinfer_all_reduce import _capability
+
+    given = None
+    if args.capability is not None:
+        try:
+            given = _capability(args.capability)  # as explain takes it
+        except argparse.ArgumentTypeError as e:
+            raise BadInput(f"--capability {e}") from None
     try:
         args.backend_setting = envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND
     except ValueError as e:
@@ -135,23 +161,57 @@ def validate(args: argparse.Namespace) -> None:
             "this copy lacks; run it from a checkout of the repository"
         )
     if args.device == "cuda":
-        import torch
+        args.capability = gpu_capability(args.tp, given)
+    else:
+        args.capability = CPU_CAPABILITY if given is None else given
+    check_fused(args.tp, args.capability)
 
-        found = torch.cuda.device_count()
-        if found < args.tp:
-            raise BadInput(
-                f"-tp {args.tp} needs {args.tp} GPUs and this machine has "
-                f"{found or 'none'}; run on a machine with them, or add "
-                "--device cpu to run the harness alone"
-            )
-        from vllm.config.compilation import PassConfig
 
-        served = sorted(PassConfig.default_fi_allreduce_fusion_max_size_mb())
-        if args.tp not in served:
-            raise BadInput(
-                f"-tp {args.tp}: vLLM 0.34.0 has no FlashInfer all-reduce size "
-                f"for TP {args.tp} on this GPU (PassConfig."
-                "default_fi_allreduce_fusion_max_size_mb serves TP "
-                f"{', '.join(map(str, served)) or 'none'}), so FlashInferAllReduce "
-                "and the fusion pass leave it off; give one of those"
-            )
+def gpu_capability(tp: int, given: int | None) -> int:
+    """The GPUs' capability, where they hold the group: the one vLLM keys
+    its table on at start-up (current_platform's, as
+    PassConfig.default_fi_allreduce_fusion_max_size_mb reads it). CPU runs
+    have no GPUs to count: their ranks are processes."""
+    import torch
+
+    from vllm.platforms import current_platform
+
+    found = torch.cuda.device_count()
+    if found < tp:
+        raise BadInput(
+            f"-tp {tp} needs {tp} GPUs and this machine has {found or 'none'}; "
+            "run on a machine with them, or add --device cpu to run the harness "
+            "alone"
+        )
+    device = current_platform.get_device_capability()
+    assert device is not None, "a CUDA platform reports its capability"
+    if given is not None and given != device.to_int():
+        raise BadInput(
+            f"--capability {sm(given)}: this machine's GPUs are sm "
+            f"{device.as_version_str()}, which the check runs on; drop "
+            "--capability, or add --device cpu"
+        )
+    return device.to_int()
+
+
+def check_fused(tp: int, capability: int) -> None:
+    """Refuse a deployment vLLM would not fuse: nothing to check. Without a
+    row for the group's size at the GPUs' capability, FlashInferAllReduce
+    and the fusion pass leave FlashInfer off. explain reads that row from
+    vLLM's installed table, whose module loads CUDA ops (not on CPU)."""
+    from vllm.explain_flashinfer_all_reduce import FUSION, SIZE_TABLE, _fusion_max_size
+
+    if _fusion_max_size(capability, tp):
+        return
+    rows = [
+        f"{n} ({size:g} MB)"
+        for n in LISTED_TP_SIZES
+        if (size := _fusion_max_size(capability, n))
+    ]
+    has = f"rows for TP {', '.join(rows)}" if rows else "no rows"
+    raise BadInput(
+        f"-tp {tp}: vLLM would not fuse TP {tp} on sm {sm(capability)}: its "
+        f"{SIZE_TABLE} ({FUSION}) has {has} there, without which "
+        "FlashInferAllReduce and the fusion pass leave FlashInfer off; "
+        "nothing to check"
+    )

@@ -9,6 +9,11 @@ PROG = "check_fused_all_reduce"
 BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 
 
+def sm(capability: int) -> str:
+    """A capability as vLLM prints it: 10.0 for 100."""
+    return f"{capability // 10}.{capability % 10}"
+
+
 def summarize(run: Any) -> dict[str, Any]:
     """The run as one record: what ran, what was checked, PASS or FAIL.
     `run` is the launcher, after the run: its args, the ranks' events, the
@@ -53,6 +58,8 @@ def summarize(run: Any) -> dict[str, Any]:
         "nodes": info.get("nodes"),
         "tp": args.tp,
         "device": args.device,
+        # Whose row of vLLM's fusion table served -tp: the GPUs' on GPUs.
+        "capability": args.capability,
         "elapsed": round(run.elapsed, 1),
         "host_traffic_mib": args.host_traffic_mib if args.device == "cuda" else 0,
         "configs": [
@@ -112,7 +119,10 @@ def format_summary(result: dict[str, Any]) -> str:
     """The result for a person."""
     fi = result["flashinfer"] or {}
     platform = result["platform"] or {}
-    where = "CPU (emulated kernel on gloo; no CUDA graphs, no host traffic)"
+    where = (
+        f"CPU, vLLM's fusion table read for sm {sm(result['capability'])} "
+        "(emulated kernel on gloo; no CUDA graphs, no host traffic)"
+    )
     if result["device"] == "cuda":
         where = (
             f"{result['tp']} x {platform.get('gpu')} (sm {platform.get('capability')}"

@@ -34,11 +34,17 @@ SCRIPT = BENCHMARKS / "check_fused_all_reduce.py"
 RANK = BENCHMARKS / "fused_all_reduce_rank.py"
 STEP = BENCHMARKS / "fused_all_reduce_step.py"
 REFERENCE = BENCHMARKS / "fused_all_reduce_reference.py"
+OPTIONS = BENCHMARKS / "fused_all_reduce_options.py"
 PROG = "check_fused_all_reduce"
 # Small shapes keep a CPU run short; the sweep and its checks are the same.
 SMALL = ["--dtypes", "bf16", "fp16", "--hidden-sizes", "256"]
 ONE_SHAPE = ["--dtypes", "bf16", "--hidden-sizes", "256"]
 RUN_TIMEOUT = 420
+# vLLM's table of FlashInfer all-reduce sizes, by capability and TP size.
+TABLE = (
+    "FI_ALLREDUCE_FUSION_MAX_SIZE_MB "
+    "(vllm.compilation.passes.fusion.allreduce_rms_fusion)"
+)
 
 
 def load(path: Path) -> ModuleType:
@@ -275,8 +281,36 @@ def test_a_call_that_fell_back_to_nccl_is_a_fail(run_env: dict[str, str]) -> Non
         (["-tp", "2"], {}, "needs 2 GPUs"),
         (["-tp", "2", "--device", "cpu", "--max-tokens", "0"], {}, "--max-tokens"),
         (["-tp", "2", "--device", "cpu"], {"copy": "1"}, "lacks"),
+        # vLLM 0.34.0's FI_ALLREDUCE_FUSION_MAX_SIZE_MB: no TP 3 row on any
+        # GPU, no TP 16 row on SM90; a CPU run is judged as on SM100.
+        (
+            ["-tp", "3", "--device", "cpu", "--seconds", "2"],
+            {},
+            (
+                f"-tp 3: vLLM would not fuse TP 3 on sm 10.0: its {TABLE} has rows "
+                "for TP 2 (64 MB), 4 (32 MB), 8 (1 MB), 16 (64 MB) there,"
+            ),
+        ),
+        (
+            ["-tp", "16", "--capability", "9.0", "--device", "cpu", "--seconds", "2"],
+            {},
+            (
+                f"-tp 16: vLLM would not fuse TP 16 on sm 9.0: its {TABLE} has rows "
+                "for TP 2 (64 MB), 4 (2 MB), 8 (0.5 MB) there,"
+            ),
+        ),
+        (["-tp", "2", "--device", "cpu", "--capability", "10"], {}, "as 10.0 or"),
     ],
-    ids=["tp1", "unknown-backend", "no-gpu", "no-tokens", "cpu-without-emulation"],
+    ids=[
+        "tp1",
+        "unknown-backend",
+        "no-gpu",
+        "no-tokens",
+        "cpu-without-emulation",
+        "tp3-not-fused",
+        "tp16-not-fused-on-sm90",
+        "capability-without-minor",
+    ],
 )
 def test_bad_input_is_one_line_and_exit_2_with_nothing_started(
     run_env: dict[str, str],
@@ -300,7 +334,99 @@ def test_bad_input_is_one_line_and_exit_2_with_nothing_started(
     assert lines[0].startswith(f"{PROG}: error: ") and says in lines[0], lines
 
 
+def test_tp8_runs_on_cpu_as_on_sm100(run_env: dict[str, str]) -> None:
+    """A group vLLM fuses still runs: TP 8 has a row on every GPU."""
+    proc = harness(
+        run_env,
+        *("-tp", "8", "--device", "cpu", "--seconds", "2", "--max-tokens", "4"),
+        *ONE_SHAPE,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"{PROG}: PASS\n"), proc.stdout
+    assert "CPU, vLLM's fusion table read for sm 10.0 (" in proc.stdout
+
+
 # The launcher's and the checker's parts, in-process -----------------------
+
+
+@pytest.fixture
+def options() -> ModuleType:
+    return load(OPTIONS)
+
+
+def _gpus(monkeypatch: pytest.MonkeyPatch, count: int, major: int) -> None:
+    """A machine with `count` GPUs of capability `major`.0, where the check
+    asks: torch for the count, vLLM's platform for the capability."""
+    import torch
+
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(
+        current_platform,
+        "get_device_capability",
+        lambda device_id=0: DeviceCapability(major, 0),
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, gpus, capability",
+    [
+        (["-tp", "8"], (8, 10), 100),
+        (["-tp", "16"], (16, 10), 100),
+        (["-tp", "4", "--capability", "10.0"], (4, 10), 100),
+        # CPU runs have no GPUs to count: the table alone bounds -tp.
+        (["-tp", "16", "--device", "cpu"], None, 100),
+        (["-tp", "8", "--device", "cpu", "--capability", "90"], None, 90),
+    ],
+    ids=["8-of-8", "16-of-16", "capability-given", "cpu-tp16", "cpu-sm90"],
+)
+def test_a_group_vllm_fuses_is_taken(
+    options: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    gpus: tuple[int, int] | None,
+    capability: int,
+) -> None:
+    if gpus:
+        _gpus(monkeypatch, *gpus)
+    args = options.parse_args(argv)
+    options.validate(args)
+    assert args.capability == capability
+
+
+@pytest.mark.parametrize(
+    "argv, gpus, says",
+    [
+        (["-tp", "8"], (4, 10), "-tp 8 needs 8 GPUs and this machine has 4"),
+        (["-tp", "16"], (16, 9), "vLLM would not fuse TP 16 on sm 9.0"),
+        (["-tp", "3"], (4, 10), "vLLM would not fuse TP 3 on sm 10.0"),
+        (
+            ["-tp", "4", "--capability", "9.0"],
+            (4, 10),
+            "--capability 9.0: this machine's GPUs are sm 10.0",
+        ),
+        (
+            ["-tp", "8", "--device", "cpu", "--capability", "8.0"],
+            None,
+            f"vLLM would not fuse TP 8 on sm 8.0: its {TABLE} has no rows there",
+        ),
+    ],
+    ids=["8-of-4", "tp16-sm90", "tp3", "capability-not-the-gpus", "cpu-sm80"],
+)
+def test_a_group_vllm_would_not_fuse_is_refused(
+    options: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    gpus: tuple[int, int] | None,
+    says: str,
+) -> None:
+    if gpus:
+        _gpus(monkeypatch, *gpus)
+    with pytest.raises(options.BadInput) as refused:
+        options.validate(options.parse_args(argv))
+    assert says in str(refused.value)
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 RANK = BENCHMARKS / "fused_all_reduce_rank.py"
 GPU = BENCHMARKS / "fused_all_reduce_gpu.py"
 STEP = BENCHMARKS / "fused_all_reduce_step.py"
+OPTIONS = BENCHMARKS / "fused_all_reduce_options.py"
 OUR_GPU_PATH = (GPU, RANK, STEP)
 FLASHINFER_RELEASES = ("0.7.2.post1", "0.7.4")
 
@@ -629,11 +630,12 @@ def test_every_vllm_name_the_gpu_path_calls_exists_in_the_installed_vllm() -> No
 
 
 def test_the_platform_methods_the_gpu_module_calls_exist_on_cuda() -> None:
-    """CudaPlatform does not import without a GPU driver; read its source."""
-    tree = ast.parse(GPU.read_text())
+    """CudaPlatform does not import without a GPU driver; read its source.
+    The options ask it for the GPUs' capability too."""
     called = {
         node.func.attr
-        for node in ast.walk(tree)
+        for path in (GPU, OPTIONS)
+        for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and isinstance(node.func.value, ast.Name)
