@@ -1,113 +1,96 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Start-up cost of FlashInfer all-reduce backend selection: patch vs stock.
+"""What a FlashInfer all-reduce workspace creation costs vLLM's store and the
+clock, at each TP size, with this tree and with an earlier commit's.
 
-Runs one gloo group of `--ranks` processes on this machine for each module,
-this tree's flashinfer_all_reduce.py and the vllm 0.34.0 original, and
-measures what a worker does at start-up: backend resolution plus workspace
-acquisition for the standalone all-reduce, the fusion pass and quant fusion.
-FlashInfer's workspace constructor is the test suite's fake (one collective,
-like FlashInfer's handle exchange), so only the selection logic is measured.
+Runs one gloo group of N ranks on this machine per TP size and tree, and what
+a worker does at start-up: the backend's agreement, then the workspaces of
+the standalone all-reduce, the fusion pass and quant fusion (one mnnvl
+creation). FlashInfer's constructor is the test suite's fake (two exchanges
+through the comm backend); one rank comes `--slow` seconds late to them, as
+ranks do, so that what waiting costs shows. Reported per TP size and tree:
+the store requests of the creation (all ranks together: every call on a
+PrefixStore it makes) and its wall time (slowest rank), medians over
+`--repeats` fresh groups.
 
-Reported per scenario and module: collective rounds (on the group, and
-over its store where the patch runs FlashInfer's creation collectives
-there), node probes, process groups made (a gloo group's creation is a
-rendezvous of its ranks), and wall time (slowest rank, median over
-`--repeats` fresh groups). The patch adds an agreement round, and per
-creation a kernel-load vote and a vote on the outcome; it makes no process
-group, and counts nodes once instead of on every resolve. The targets are
-no more collective rounds than stock and no new process groups.
-
-    python benchmarks/benchmark_fi_ar_startup.py --ranks 8
+    python benchmarks/benchmark_fi_ar_startup.py --tp 2 8 16 --before 7c69a3b
 """
 
 import argparse
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
 sys.path[:0] = [str(TESTS), str(TESTS / "distributed")]
 
 import tree_imports  # noqa: E402
 from fi_ar_utils import run_group  # noqa: E402
 
-SCENARIOS: dict[str, dict[str, Any]] = {
-    "auto": {},
-    "hisparse": {"hisparse": "connector"},
-}
-MODULES = {"patched": "tree", "stock": "stock"}
 
-
-def measure(
-    source: str, scenario: dict[str, Any], ranks: int, repeats: int
-) -> dict[str, float]:
-    """Run the scenario `repeats` times on fresh groups with one module."""
+def measure(source: str, tp: int, slow: float, repeats: int) -> dict[str, float]:
+    """Run the creation `repeats` times on fresh groups of `tp` ranks."""
     os.environ[tree_imports.SOURCE_ENV] = source
-    cases = [{"name": f"run-{i}", **scenario} for i in range(repeats)]
-    per_rank = run_group(cases, nnodes=1, ranks_per_node=ranks, timeout=900)
+    late = {"1": {"late_seconds": slow}}
+    cases: list[dict[str, Any]] = [
+        {"name": f"run-{i}", "per_rank": late} for i in range(repeats)
+    ]
+    per_rank = run_group(cases, nnodes=1, ranks_per_node=tp, timeout=1200)
     runs = []
     for case in (c["name"] for c in cases):
         results = [rank[case] for rank in per_rank]
         for r in results:
-            if "error" in r:
-                raise RuntimeError(f"{source}: {r['error']}\n{r['traceback']}")
+            if "error" in r or r.get("workspace") != "mnnvl":
+                raise RuntimeError(f"{source}: {r.get('error')}\n{r.get('traceback')}")
         runs.append(
             {
-                "collectives": max(r["collectives"] for r in results),
-                "node_probes": max(r["node_probes"] for r in results),
-                "groups": max(r.get("groups", 0) for r in results),
+                "requests": sum(r["store_requests"] for r in results),
                 "seconds": max(r["seconds"] for r in results),
             }
         )
-    return {
-        key: statistics.median(run[key] for run in runs)
-        for key in ("collectives", "node_probes", "groups", "seconds")
-    }
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
+def checkout(ref: str, into: Path) -> Path:
+    """This repository's `vllm/` at `ref`, unpacked under `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "vllm"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--scenario", choices=sorted(SCENARIOS), action="append")
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 8, 16])
+    parser.add_argument("--before", metavar="REF", help="a commit to compare with")
+    parser.add_argument("--slow", type=float, default=1.0, metavar="SECONDS")
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    rows = []
-    worse = False
-    for name in args.scenario or list(SCENARIOS):
-        got = {
-            label: measure(source, SCENARIOS[name], args.ranks, args.repeats)
-            for label, source in MODULES.items()
-        }
-        patched, stock = got["patched"], got["stock"]
-        worse |= patched["collectives"] > stock["collectives"] or patched["groups"] > 0
-        for label, m in got.items():
-            rows.append(
-                f"{name:<10} {label:<8} {m['collectives']:>11.0f} "
-                f"{m['node_probes']:>11.0f} {m['groups']:>10.0f} "
-                f"{m['seconds'] * 1e3:>10.1f}"
-            )
-        rows.append(
-            f"{name:<10} {'ratio':<8} "
-            f"{patched['collectives'] / stock['collectives']:>11.2f} "
-            f"{patched['node_probes'] / stock['node_probes']:>11.2f} "
-            f"{'':>10} {patched['seconds'] / stock['seconds']:>10.2f}"
-        )
-    print(f"{args.ranks}-rank gloo group, median of {args.repeats} fresh groups")
-    print(
-        f"{'scenario':<10} {'module':<8} {'collectives':>11} {'node probes':>11} "
-        f"{'new groups':>10} {'wall ms':>10}"
-    )
-    print("\n".join(rows))
-    if worse:
+    with tempfile.TemporaryDirectory(prefix="fi-ar-before-") as tmp:
+        trees: dict[str, Any] = {"this tree": "tree"}
+        if args.before:
+            trees[args.before] = str(checkout(args.before, Path(tmp)))
         print(
-            "FAIL: the patch needs more collective rounds than stock, or makes groups"
+            f"one mnnvl creation, one rank {args.slow:g} s late; "
+            f"median of {args.repeats} fresh groups"
         )
-        return 1
-    print("OK: no more collective rounds than stock, and no new process groups")
+        print(f"{'TP':>3} {'tree':<10} {'store requests':>15} {'wall ms':>9}")
+        for tp in args.tp:
+            for label, source in trees.items():
+                m = measure(source, tp, args.slow, args.repeats)
+                print(
+                    f"{tp:>3} {label:<10} {m['requests']:>15.0f} "
+                    f"{m['seconds'] * 1e3:>9.0f}"
+                )
     return 0
 
 

@@ -117,23 +117,28 @@ def extract_base_files(files: Iterable[str], dest: Path, base_wheel: Path) -> Pa
 
 
 def install(source: str | None = None) -> dict[str, Path]:
-    """Route imports of the replaced modules to `source` ("tree" or "stock").
+    """Route imports of the replaced modules to `source` ("tree" or "stock",
+    or the root of another checkout, such as an earlier commit's, whose
+    `vllm/` files then stand in for this tree's).
 
     Returns the module name -> file map. Fails if one of the modules was
     already imported, since that copy would be the installed one.
     """
     source = source or os.environ.get(SOURCE_ENV, "tree")
-    if source not in SOURCES:
-        raise ValueError(f"{SOURCE_ENV}={source!r}: expected one of {SOURCES}")
-    files = tree_files()
+    other = source not in SOURCES and Path(source, "vllm").is_dir()
+    if source not in SOURCES and not other:
+        raise ValueError(
+            f"{SOURCE_ENV}={source!r}: expected one of {SOURCES} or a checkout"
+        )
+    files = tree_files(Path(source) if other else REPO_ROOT)
     stale = sorted(_module_name(r) for r in files if _module_name(r) in sys.modules)
     if stale:
         raise RuntimeError(
             f"{stale} were imported before the test overlay was installed; "
             "they would be the installed copies, not this tree's files"
         )
-    if source == "tree":
-        root, hidden = REPO_ROOT, []
+    if source == "tree" or other:
+        root, hidden = Path(source) if other else REPO_ROOT, []
     else:
         root, files = stock_root(), replaced_files()
         hidden = [_module_name(rel) for rel in added_files()]

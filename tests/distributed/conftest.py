@@ -169,6 +169,15 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
             },
             {"name": "mnnvl-fails-on-rank-1", "per_rank": {"1": {"fail": ["mnnvl"]}}},
             {
+                "name": "both-fail-on-rank-1",
+                "per_rank": {"1": {"fail": ["mnnvl", "trtllm"]}},
+            },
+            {
+                "name": "fails-once-then-destroyed",
+                "reacquire": True,
+                "per_rank": {"1": {"fail_once": ["mnnvl"]}},
+            },
+            {
                 "name": "hisparse-trtllm-fails-on-rank-1",
                 "hisparse": "connector",
                 **UNFIXED,

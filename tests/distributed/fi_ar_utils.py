@@ -93,7 +93,9 @@ class FakeWorkspaceFactory:
     workspace. `sizes` records each creation's backend and token count.
     Through a comm backend it makes two exchanges, as FlashInfer makes
     several: the arguments, then a barrier; `exit_at` is the exchange
-    (0 or 1) at which this rank's process exits.
+    (0 or 1) at which this rank's process exits; `late_after_seconds` is
+    how long it takes after them, before failing as `fail` says;
+    `fail_once` lists backends that fail on their first creation only.
     """
 
     fail: set[str] = field(default_factory=set)
@@ -102,6 +104,8 @@ class FakeWorkspaceFactory:
     multicast: bool = True
     returns: Any = None
     exit_at: int | None = None
+    late_after_seconds: float = 0.0
+    fail_once: set[str] = field(default_factory=set)
     log: list[str] = field(default_factory=list)
     sizes: list[tuple[str, int]] = field(default_factory=list)
 
@@ -144,7 +148,12 @@ class FakeWorkspaceFactory:
                 print(f"workspace arguments differ across ranks: {everyone}")
                 sys.stdout.flush()
                 os._exit(RANK_WOULD_HANG)
-        if backend in self.fail:
+        time.sleep(self.late_after_seconds)
+        if (
+            backend in self.fail
+            or self.attempts.count(backend) == 1
+            and (backend in self.fail_once)
+        ):
             raise RuntimeError(f"injected {backend} workspace failure")
         return self.returns or FakeWorkspace(backend, self.multicast, self.log)
 
@@ -544,7 +553,9 @@ class CollectiveCounter:
         if _has_module(CREATION_MODULE):
             import importlib
 
-            comm = importlib.import_module(CREATION_MODULE).Creation
+            creation = importlib.import_module(CREATION_MODULE)
+            # StoreComm's, or an earlier tree's Creation (the benchmark's).
+            comm = getattr(creation, "StoreComm", None) or creation.Creation
             patch.setattr(comm, "_exchange", self._counting(comm._exchange))
         probe = parallel_state.in_the_same_node_as
         patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
@@ -574,6 +585,35 @@ class CollectiveCounter:
             return fn(*args, **kwargs)
 
         return counted
+
+
+class StoreCounter:
+    """Counts the requests the patch's steps make on the group's store: every
+    method called on a PrefixStore made while installed (the creation's)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    def install(self, patch: Any) -> None:
+        import torch.distributed as dist
+
+        real = dist.PrefixStore
+        counter = self
+
+        class Counting:
+            def __init__(self, *args: Any) -> None:
+                self._store = real(*args)
+
+            def __getattr__(self, name: str) -> Any:
+                method = getattr(self._store, name)
+
+                def counted(*args: Any, **kwargs: Any) -> Any:
+                    counter.requests += 1
+                    return method(*args, **kwargs)
+
+                return counted
+
+        patch.setattr(dist, "PrefixStore", Counting)
 
 
 class _LogCollector(logging.Handler):
@@ -703,6 +743,8 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         late_seconds=case.get("late_seconds", 0.0),
         multicast=case.get("multicast", True),
         exit_at=case.get("exit_at"),
+        late_after_seconds=case.get("late_after_seconds", 0.0),
+        fail_once=set(case.get("fail_once", [])),
     )
     device = FakeFlashInferDevice(
         fabric=case.get("fabric", True),
@@ -741,8 +783,9 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             dtype=getattr(torch, case.get("dtype", "bfloat16")),
             group=group,
         )
-        counter = CollectiveCounter()
+        counter, store = CollectiveCounter(), StoreCounter()
         counter.install(patch)
+        store.install(patch)
         start = time.perf_counter()
         try:
             if not case.get("idle"):
@@ -750,6 +793,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
                     _acquire(fi_ar, case, args, result, device.loads)
         finally:
             result["seconds"] = time.perf_counter() - start
+            result["store_requests"] = store.requests
             if case.get("keys_left"):
                 time.sleep(2)  # the last rank out removes the keys
                 result["keys_left"] = creation_keys_left(group)
@@ -820,17 +864,15 @@ def _case_group(rank: int, case: dict[str, Any]) -> Any:
 
 
 def creation_keys_left(group: Any) -> list[str]:
-    """The keys of the group's first creations (three per backend) left in
-    its store, as the patch names them."""
+    """The keys of the group's first steps left in its store, as the patch
+    names them (a round's key and a vote's for each rank)."""
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
-    names = [f"{s}/{r}" for s in range(4) for r in range(size)]
-    names += [f"vote/{r}" for r in range(size)] + ["decision", "left"]
+    names = [f"{r}/{i}" for r in range(1, 6) for i in range(size)]
+    names += [f"vote/{i}" for i in range(size)]
     left = []
-    for prefix in (
-        f"vllm-fi-ar/{b}/{n}/" for b in ("mnnvl", "trtllm") for n in (1, 2, 3)
-    ):
+    for prefix in (f"vllm-fi-ar/{step}/" for step in range(1, 7)):
         store = dist.PrefixStore(prefix, group.get_group_store())
         left += [prefix + name for name in names if store.check([name])]
     return left

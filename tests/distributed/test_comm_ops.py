@@ -410,4 +410,4 @@ def test_docs_give_the_creation_bound_and_its_line(fi_ar):
         assert "still leaves the others" not in text
         assert bound in text
         assert "every rank gave it up" in text
-    assert "FI_AR_CREATE_TIMEOUT_S" in inspect.getdoc(creation.on_every_rank)
+    assert "FI_AR_CREATE_TIMEOUT_S" in inspect.getdoc(creation.created_on_every_rank)

@@ -33,6 +33,14 @@ MARGIN = 12
 SLOW_LOAD = 2 * BOUND
 # How late a rank comes to FlashInfer's first collective.
 LATE = BOUND + 4
+# Later than the bound and the vote's grace (VOTE_GRACE_S), after the rounds.
+LATE_VOTE = BOUND + 9
+# How long a rank is slow within the bound.
+SLOW = 2
+# Store requests per rank a creation may make, however long a rank waits:
+# three per round (FlashInfer's two exchanges here, and the vote) and the
+# clean-up of its keys.
+STORE_REQUESTS = 3 * 3 + 3
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +73,21 @@ def three_ranks() -> list[dict[str, dict[str, Any]]]:
             },
             {
                 "name": "kernels-fail-to-load",
+                "env": {ENV: "trtllm"},
                 "bound": BOUND,
-                "per_rank": {"0": {"load_fails": ["mnnvl"]}},
+                "per_rank": {"0": {"load_fails": ["trtllm"]}},
             },
+            {"name": "no-multicast", "bound": BOUND, "multicast": False},
         ],
         nnodes=1,
         ranks_per_node=3,
         timeout=150,
     )
+
+
+def _votes(step: int, ranks: int) -> set[str]:
+    """The vote's keys of a group's `step`-th step, as the patch names them."""
+    return {f"vllm-fi-ar/{step}/vote/{i}" for i in range(ranks)}
 
 
 def _failure_lines(r: dict[str, Any]) -> list[str]:
@@ -99,7 +114,7 @@ def test_a_rank_failing_before_the_rendezvous_falls_back_on_every_rank(
         "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2): "
         "failed on rank 2 (Failed to initialize FlashInfer All Reduce "
         "workspace: injected mnnvl workspace failure before exchange.); every "
-        "rank gave it up."
+        "rank gave it up and falls back to trtllm."
     )
 
 
@@ -142,18 +157,26 @@ def test_a_kernel_build_longer_than_the_bound_is_not_cut(three_ranks):
     assert results[1]["seconds"] >= SLOW_LOAD
 
 
-def test_kernels_failing_to_load_on_one_rank_fall_back_before_any_attempt(
-    three_ranks,
-):
+def test_kernels_failing_to_load_on_one_rank_end_it_before_any_attempt(three_ranks):
     results = every_rank(three_ranks, "kernels-fail-to-load")
     for r in results:
-        assert r["workspace"] == r["quant"] == "trtllm"
-        assert "create:mnnvl" not in r["log"], "mnnvl is never attempted"
+        assert r["workspace"] is None and r["quant"] is None
+        assert "create:trtllm" not in r["log"], "trtllm is never attempted"
     assert _the_failure_line(results) == (
-        "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2): "
-        "could not load kernels on rank 0 (RuntimeError: injected mnnvl kernel "
-        "build failure); every rank gave it up."
+        "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1, 2): "
+        "could not load kernels on rank 0 (RuntimeError: injected trtllm kernel "
+        "build failure); every rank gave it up and FlashInfer all-reduce is off "
+        "for these ranks."
     )
+
+
+def test_mnnvl_kernels_are_not_built_for_its_creation(three_ranks):
+    """FlashInfer's mnnvl creation loads no kernels (its all-reduce calls
+    get_trtllm_mnnvl_comm_module): a node without multicast builds trtllm's
+    alone, then falls back."""
+    for r in every_rank(three_ranks, "no-multicast"):
+        assert r["workspace"] == r["quant"] == "trtllm"
+        assert r["kernel_loads"] == ["trtllm"]
 
 
 @pytest.mark.slow_rank_group
@@ -190,6 +213,15 @@ def two_ranks() -> list[dict[str, dict[str, Any]]]:
                 "per_rank": {"1": {"late_seconds": LATE}},
             },
             {
+                "name": "late-after-its-exchanges-then-fails",
+                "bound": BOUND,
+                "per_rank": {"1": {"late_after_seconds": LATE_VOTE, "fail": ["mnnvl"]}},
+            },
+            {
+                "name": "waits-for-a-slow-rank",
+                "per_rank": {"1": {"late_seconds": SLOW}},
+            },
+            {
                 "name": "fails-on-local-rank-1",
                 "per_rank": {"1": {"env": {"LOCAL_RANK": "1"}, "fail": ["mnnvl"]}},
             },
@@ -208,17 +240,41 @@ def two_ranks() -> list[dict[str, dict[str, Any]]]:
 
 def test_the_late_rank_is_the_one_named(two_ranks):
     """Rank 0 gives up waiting at the bound and names rank 1; rank 1 comes
-    after the bound, and ends the same way, its own keys removed too."""
+    after the bound and reads the group's decision, which stays in the store,
+    instead of deciding alone."""
     results = every_rank(two_ranks, "late-rank")
     for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["seconds"] < LATE + MARGIN
-        assert r["keys_left"] == []
+        assert _votes(1, 2) <= set(r["keys_left"])
     assert _the_failure_line(results) == (
         "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): "
         f"rank 1 did not answer within {BOUND} s; every rank gave it up and "
-        "FlashInfer all-reduce with it."
+        "FlashInfer all-reduce is off for these ranks."
     )
+
+
+def test_a_rank_late_after_flashinfers_exchanges_follows_the_group(two_ranks):
+    """Rank 1 is slow after FlashInfer's last exchange, past the bound and
+    its vote's grace, then fails: it reads the decision rank 0 took without
+    it (rank 1 did not answer) instead of deciding alone to fall back."""
+    results = every_rank(two_ranks, "late-after-its-exchanges-then-fails")
+    for r in results:
+        assert r["workspace"] is None and r["quant"] is None
+        assert "create:trtllm" not in r["log"], "no rank enters it alone"
+        assert r["seconds"] < LATE_VOTE + MARGIN
+    assert _the_failure_line(results) == (
+        "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1): "
+        f"rank 1 did not answer within {BOUND} s; every rank gave it up and "
+        "FlashInfer all-reduce is off for these ranks."
+    )
+
+
+def test_waiting_for_a_rank_costs_the_store_no_requests(two_ranks):
+    """A rank waits in one bounded request, not by polling the store."""
+    for r in every_rank(two_ranks, "waits-for-a-slow-rank"):
+        assert r["workspace"] == "mnnvl"
+        assert r["store_requests"] <= STORE_REQUESTS
 
 
 def test_a_failure_on_a_rank_that_is_not_local_rank_0_reaches_the_log(two_ranks):
@@ -317,18 +373,18 @@ def test_a_rank_that_dies_in_the_creation_ends_it_on_every_other_rank(vllm_group
     """Rank 2 exits at FlashInfer's second exchange: ranks 0, 1 and 3 end
     at the bound, the same way (FlashInfer all-reduce off for the group: no
     more collectives with a rank that may be dead), rank 0 names rank 2
-    without blaming multicast, and no key is left."""
+    without blaming multicast; the vote stays for rank 2, were it only late."""
     survivors = [vllm_groups[rank]["dies-in-creation"] for rank in (0, 1, 3)]
     assert "dies-in-creation" not in vllm_groups[2]
     for r in survivors:
         assert "error" not in r, r.get("traceback")
         assert r["workspace"] is None and r["quant"] is None
         assert DEATH_BOUND <= r["seconds"] < DEATH_BOUND + 4
-        assert r["keys_left"] == []
+        assert _votes(1, 4) <= set(r["keys_left"])
     assert _the_failure_line(survivors) == (
         "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1, 2, 3): "
         f"rank 2 did not answer within {DEATH_BOUND} s; every rank gave it up "
-        "and FlashInfer all-reduce with it."
+        "and FlashInfer all-reduce is off for these ranks."
     )
     warnings = [m for m in survivors[0]["messages"] if m.startswith("WARNING")]
     assert not [m for m in warnings if "multicast" in m]
@@ -345,7 +401,8 @@ def test_a_tp_group_without_local_rank_0_logs_from_its_own_rank_0(vllm_groups):
     assert _the_failure_line(results[2:]) == (
         "WARNING FlashInfer mnnvl all-reduce workspace for ranks (2, 3): failed "
         "on rank 3 (Failed to initialize FlashInfer All Reduce workspace: "
-        "injected mnnvl workspace failure.); every rank gave it up."
+        "injected mnnvl workspace failure.); every rank gave it up and falls back "
+        "to trtllm."
     )
     startup = [[m for m in r["messages"] if "backend for ranks" in m] for r in results]
     assert [len(lines) for lines in startup] == [1, 0, 1, 0]
@@ -370,7 +427,7 @@ def test_an_exception_on_one_rank_is_raised_on_every_rank(vllm_groups):
         )
         assert "create:trtllm" not in r["log"]
         assert r["seconds"] < MARGIN
-        assert r["keys_left"] == []
+        assert _votes(1, 4) <= set(r["keys_left"])
 
 
 @pytest.mark.slow_rank_group
@@ -378,12 +435,14 @@ def test_a_rank_failing_before_its_first_exchange_stops_the_others_at_once(
     vllm_groups,
 ):
     """Rank 2 fails before FlashInfer's first exchange and says so: the
-    others end in seconds, not at the bound, and all fall back together."""
+    others end in seconds, not at the bound, and all fall back together. The
+    fallback went cleanly: of its keys only its vote is left."""
     results = [r["fails-before-first-exchange"] for r in vllm_groups]
     for r in results:
         assert r["workspace"] == r["quant"] == "trtllm"
         assert r["seconds"] < MARGIN < LONG_BOUND
-        assert r["keys_left"] == []
+        fallback = [k for k in r["keys_left"] if k.startswith("vllm-fi-ar/2/")]
+        assert fallback == sorted(_votes(2, 4))
     assert "failed on rank 2 (" in _the_failure_line(results)
 
 
@@ -397,27 +456,25 @@ def test_a_trtllm_fallback_is_sized_for_trtllm(fi_ar, fake_ws, cpu_group, monkey
     assert fake_ws.sizes == [("mnnvl", tuned), ("trtllm", MAX_TOKENS)]
 
 
-def test_flashinfer_keeps_using_vllm_group_after_creation(fi_ar, cpu_group):
-    """FlashInfer keeps the comm backend (checkpoint_prepare's barrier):
-    after the creation it runs on vLLM's group, not over the store."""
-    from flashinfer.comm.mnnvl import TorchDistBackend
-
+def test_the_kept_comm_backend_is_bounded_in_every_step(fi_ar, cpu_group):
+    """FlashInfer keeps the comm backend for checkpoint_prepare's barrier: it
+    runs inside a bounded step, and refuses outside one rather than wait on
+    its own. A clean step leaves only its vote, until the next one."""
     creation = importlib.import_module(CREATION_MODULE)
     kept: list[Any] = []
 
-    @creation.on_every_rank(registry={})
-    def create(backend: str, group: Any, creation: Any = None) -> object:
-        kept.append(creation.comm_backend(TorchDistBackend(group=group)))
-        kept[0].barrier()
+    @creation.created_on_every_rank(registry={})
+    def create(backend: str, dtype: Any, group: Any, creation: Any = None) -> object:
+        kept.append(creation)
+        creation.barrier()
         return object()
 
-    assert create("trtllm", cpu_group) is not None
-    assert kept[0].steps == 1
-    kept[0].barrier()
-    assert kept[0].steps == 1, "after the creation, collectives run on vLLM's group"
-    assert kept[0]._after._group is cpu_group
-    assert creation_keys_left(cpu_group) == []
-    assert dist.get_world_size(cpu_group) == 1
+    assert create("mnnvl", None, cpu_group) is not None
+    with pytest.raises(creation.Stopped, match="outside a step"):
+        kept[0].barrier()
+    creation.on_every_rank(cpu_group, kept[0].barrier)
+    assert kept[0].steps == 2
+    assert creation_keys_left(cpu_group) == sorted(_votes(2, 1))
 
 
 def test_the_comm_backend_answers_flashinfers_calls(fi_ar, cpu_group):
@@ -426,15 +483,15 @@ def test_the_comm_backend_answers_flashinfers_calls(fi_ar, cpu_group):
     creation = importlib.import_module(CREATION_MODULE)
     seen: list[Any] = []
 
-    @creation.on_every_rank(registry={})
-    def create(backend: str, group: Any, creation: Any = None) -> object:
+    @creation.created_on_every_rank(registry={})
+    def create(backend: str, dtype: Any, group: Any, creation: Any = None) -> object:
         calls = (creation.Get_rank(), creation.Get_size(), creation.allgather("a"))
         seen.append((*calls, creation.bcast("b", root=0)))
         return object()
 
-    assert create("trtllm", cpu_group) is not None
+    assert create("mnnvl", None, cpu_group) is not None
     assert seen == [(0, 1, ("a",), "b")]
-    assert creation_keys_left(cpu_group) == []
+    assert creation_keys_left(cpu_group) == sorted(_votes(1, 1))
 
 
 def test_upstreams_own_errors_propagate(fi_ar, fake_ws, cpu_group, monkeypatch):

@@ -92,11 +92,13 @@ def test_nodes_are_counted_once_per_group(one_node, case):
 @pytest.mark.parametrize("case", ["auto", "hisparse"])
 def test_the_communicator_loads_no_kernels(one_node, case):
     """Building FlashInferAllReduce, as vLLM does for every TP group, loads
-    nothing: kernels load for a creation (a JIT build takes minutes)."""
+    nothing: trtllm's kernels load for its creation (a JIT build takes
+    minutes), mnnvl's for none (its all-reduce calls build them)."""
     for r in every_rank(one_node, case):
         assert not r["standalone_disabled"]
         assert r["constructor_loads"] == []
-        assert r["kernel_loads"] == [r["workspace"]], "the creation loads them"
+        built = [] if r["workspace"] == "mnnvl" else ["trtllm"]
+        assert r["kernel_loads"] == built
 
 
 def test_float16_workspaces_get_trtllm_on_unfixed_kernels(one_node):
@@ -151,6 +153,9 @@ def test_a_standalone_fallback_to_trtllm_is_sized_for_trtllm(one_node):
     for r in every_rank(one_node, "bf16-sm100-row-no-multicast"):
         assert r["standalone_first"]
         assert r["sizes"] == [["mnnvl", TUNED_TOKENS], ["trtllm", FUSION_TOKENS]]
+        # Its bounds follow: no call past them reaches FlashInfer's own check,
+        # which would log a warning on every such call.
+        assert r["standalone_size"] == [FUSION_MAX_SIZE_MB[2] * 2**20, FUSION_TOKENS]
 
 
 def test_explicit_mnnvl_for_float16_is_obeyed_with_one_warning(one_node):
@@ -371,3 +376,84 @@ def test_destroyed_groups_are_freed_across_reinitialisation():
     assert reinit["alive"] == [False, False, False]
     first, *later = reinit["held"]
     assert all(held == first for held in later), reinit["held"]
+
+
+def _alerts(r: dict[str, Any]) -> list[str]:
+    """The FlashInfer warnings and errors of a rank's creations."""
+    return [
+        m
+        for m in r["messages"]
+        if m.startswith(("WARNING", "ERROR")) and "FlashInfer" in m
+    ]
+
+
+def test_a_failure_is_one_warning_on_the_groups_rank_0(one_node):
+    """What failed, where, and what the group does now, said once: vLLM's own
+    fallback line, which says less, is not said as well."""
+    line, *more = _rank_0s(every_rank(one_node, "mnnvl-fails-on-rank-1"), _alerts)
+    assert not more, more
+    assert line.startswith("WARNING FlashInfer mnnvl all-reduce workspace for ")
+    assert line.endswith("every rank gave it up and falls back to trtllm.")
+
+
+def test_two_failures_are_two_warnings_and_no_error(one_node):
+    """mnnvl, then its trtllm fallback, fail on rank 1: one line each, and the
+    quant workspace tries neither again nor says more."""
+    results = every_rank(one_node, "both-fail-on-rank-1")
+    for r in results:
+        assert r["workspace"] is None and r["quant"] is None
+        assert [e for e in r["log"] if e.startswith("create:")] == [
+            "create:mnnvl",
+            "create:trtllm",
+        ]
+    mnnvl, trtllm = _rank_0s(results, _alerts)
+    assert mnnvl.endswith("every rank gave it up and falls back to trtllm.")
+    assert trtllm.startswith("WARNING FlashInfer trtllm all-reduce workspace")
+    assert trtllm.endswith(
+        "every rank gave it up and FlashInfer all-reduce is off for these ranks."
+    )
+
+
+def test_a_backend_that_failed_is_tried_again_after_destroy(one_node):
+    """As upstream resets its failed flags: a transient failure (an OOM, say)
+    does not disable mnnvl for the process's life, across sleep/wake or a
+    weight reload."""
+    for r in every_rank(one_node, "fails-once-then-destroyed"):
+        assert r["workspace"] == "trtllm"
+        assert r["reacquired"]["workspace"] == "mnnvl"
+        assert r["reacquired"]["standalone_ready"]
+
+
+def test_an_off_backend_is_not_resolved_on_every_call(fi_ar, cpu_group, monkeypatch):
+    """The eager fused paths ask for the workspace every layer, every step:
+    with FlashInfer all-reduce off, the answer is kept, as a failure's is."""
+    from fi_ar_utils import workspace_args
+
+    pin_gpu(monkeypatch, 90)  # two Hopper nodes: auto has no backend
+    group_module = importlib.import_module(GROUP_MODULE)
+    monkeypatch.setattr(group_module, "_node_count", lambda group: 2)
+    resolved: list[Any] = []
+    resolve = fi_ar._resolve_fi_ar_backend
+    monkeypatch.setattr(
+        fi_ar, "_resolve_fi_ar_backend", lambda *a: resolved.append(a) or resolve(*a)
+    )
+    for _ in range(3):
+        assert fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group)) is None
+        assert fi_ar.get_fi_ar_quant_workspace(**workspace_args(cpu_group)) is None
+    assert len(resolved) == 2
+
+
+def test_the_resolved_backend_given_is_the_one_created(fi_ar, fake_ws, cpu_group):
+    """The standalone all-reduce passes the backend it sized for."""
+    from fi_ar_utils import workspace_args
+
+    args = workspace_args(cpu_group, world_size=1)
+    assert fi_ar.get_fi_ar_workspace(**args, resolved_backend=("trtllm", False))
+    assert fake_ws.attempts == ["trtllm"]
+
+
+def test_no_config_says_so_only_where_it_moves_the_backend(fi_ar, cpu_group, caplog):
+    """On kernels with the fixes, HiSparse on or off gets the same backend."""
+    with set_current_vllm_config(None):  # type: ignore[arg-type]
+        assert fi_ar._resolve_fi_ar_backend(cpu_group) == ("mnnvl", True)
+    assert not [r for r in caplog.records if "No vLLM config" in r.message]

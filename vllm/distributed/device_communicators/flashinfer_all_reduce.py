@@ -1,16 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Description: retire 0.34.0's HiSparse override of mnnvl on fixed FlashInfer
-#  kernels, and keep fp16 off an unfixed mnnvl; the ranks agree on the backend,
-#  each creation is bounded and voted (flashinfer_all_reduce_*.py beside it).
-# Bug: https://github.com/vllm-project/vllm/issues/64327
-# Bug-FlashInfer: https://github.com/flashinfer-ai/flashinfer/issues/7782
-# Origin: vendor
-# Forwarded: no
-# Applied-Upstream: 0.34.0, in part: HiSparse off mnnvl on every kernel, the
-#  backend resolved while the config is current, the 16-byte row check.
-# Base: vllm==0.34.0
-# Last-Update: 2026-12-03
+# Description: steer around FlashInfer bugs only on kernels that have them
+#  (HiSparse gets mnnvl back on 0.7.4); bound and vote each collective step.
+# Bug: https://github.com/vllm-project/vllm/issues/64327 (flashinfer#7782)
+# Applied-Upstream: 0.34.0, in part: HiSparse off mnnvl on every kernel.
 # Drop-When: each part as docs/contributing/upstream.md says.
 
 import atexit
@@ -30,10 +23,15 @@ from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
+    created_on_every_rank,
+    forget_failures,
     on_every_rank,
+    store_comm,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
-    agreed,
+    node_count as _node_count,  # counted once per group: counting is collective
+)
+from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     resolve_fi_ar_backend,
 )
 from vllm.logger import init_logger
@@ -82,12 +80,12 @@ def _get_tuned_standalone_max_size(
     if capability is None:
         return None
     max_size_mb = FI_MNNVL_ALLREDUCE_MAX_SIZE_MB.get(
-        (capability.to_int(), world_size, agreed(group).node_count)
+        (capability.to_int(), world_size, _node_count(group))
     )
     return None if max_size_mb is None else int(max_size_mb * MiB)
 
 
-@on_every_rank(registry=_fi_ar_workspace_groups)
+@created_on_every_rank(registry=_fi_ar_workspace_groups)
 def _create_workspace(
     backend: str,
     world_size: int,
@@ -96,10 +94,10 @@ def _create_workspace(
     hidden_dim: int,
     dtype: torch.dtype,
     group: ProcessGroup,
-    creation: Any = None,  # given by on_every_rank
+    creation: Any = None,  # its StoreComm, given by created_on_every_rank
 ):
     """Create a flashinfer allreduce workspace, returning None on failure."""
-    comm_backend = creation.comm_backend(TorchDistBackend(group=group))
+    comm_backend = creation or TorchDistBackend(group=group)
     rng_state = random.getstate()
     try:
         random.seed(int.from_bytes(os.urandom(16), byteorder="big"))
@@ -194,13 +192,15 @@ def get_fi_ar_workspace(
     if _fi_ar_workspace is not None or _fi_ar_workspace_failed:
         return _fi_ar_workspace
 
-    # The group's agreement decides every dtype; `resolved_backend` is one.
-    backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group, dtype)
+    backend, allow_trtllm_fallback = resolved_backend or _resolve_fi_ar_backend(
+        group, dtype
+    )
 
     if backend is None:
+        _fi_ar_workspace_failed = True
         return None
 
-    if backend == "trtllm" and agreed(group).node_count > 1:
+    if backend == "trtllm" and _node_count(group) > 1:
         raise ValueError(
             "Flashinfer allreduce is not supported for multi-node allreduce with "
             "'trtllm' backend. Please use 'mnnvl' backend instead."
@@ -225,9 +225,9 @@ def get_fi_ar_workspace(
 
     _fi_ar_workspace = _get_or_create(backend)
     if _fi_ar_workspace is None and allow_trtllm_fallback and backend != "trtllm":
-        logger.warning_once(
-            "FlashInfer mnnvl allreduce workspace unavailable (given up on every "
-            "rank); falling back to trtllm backend for single node."
+        logger.debug_once(  # created_on_every_rank warned, saying why
+            "FlashInfer mnnvl allreduce workspace unavailable (likely no NVSwitch "
+            "multicast support); falling back to trtllm backend for single node."
         )
         backend = "trtllm"
         max_token_num = requested_token_num  # mnnvl's tuned size is not trtllm's
@@ -240,7 +240,7 @@ def get_fi_ar_workspace(
         )
     else:
         _fi_ar_workspace_failed = True
-        logger.error_once(
+        logger.debug_once(
             "Failed to initialize FlashInfer Allreduce norm fusion workspace "
             f"with backend={backend}"
         )
@@ -269,9 +269,10 @@ def get_fi_ar_quant_workspace(
     backend, allow_trtllm_fallback = _resolve_fi_ar_backend(group, dtype)
 
     if backend is None:
+        _fi_ar_quant_workspace_failed = True
         return None
 
-    if backend == "trtllm" and agreed(group).node_count > 1:
+    if backend == "trtllm" and _node_count(group) > 1:
         raise ValueError(
             "Flashinfer allreduce quantization fusion is not supported for "
             "multi-node allreduce with 'trtllm' backend. Please use 'mnnvl' "
@@ -297,9 +298,9 @@ def get_fi_ar_quant_workspace(
         backend, world_size, rank, max_token_num, hidden_dim, dtype, group
     )
     if _fi_ar_quant_workspace is None and allow_trtllm_fallback and backend != "trtllm":
-        logger.warning_once(
+        logger.debug_once(
             "FlashInfer mnnvl allreduce quantization fusion workspace unavailable "
-            "(given up on every rank); falling back to trtllm "
+            "(likely no NVSwitch multicast support); falling back to trtllm "
             "backend for single node."
         )
         backend = "trtllm"
@@ -317,7 +318,7 @@ def get_fi_ar_quant_workspace(
         )
     else:
         _fi_ar_quant_workspace_failed = True
-        logger.error_once(
+        logger.debug_once(
             "Failed to initialize FlashInfer Allreduce norm quantization "
             f"fusion workspace with backend={backend}"
         )
@@ -341,6 +342,7 @@ def destroy_fi_ar_workspace():
 
         _fi_ar_workspace = _fi_ar_quant_workspace = None
         _fi_ar_workspace_failed = _fi_ar_quant_workspace_failed = False
+        forget_failures()
         _fi_ar_workspace_groups.clear()
 
 
@@ -368,7 +370,7 @@ def checkpoint_prepare_fi_ar_workspaces(
 ) -> None:
     for workspace in _fi_ar_workspaces_for_group(group):
         try:
-            workspace.checkpoint_prepare()
+            on_every_rank(group, workspace.checkpoint_prepare)
         except NotImplementedError:
             if not skip_unsupported:
                 raise
@@ -383,7 +385,7 @@ def checkpoint_restore_fi_ar_workspaces(
 ) -> None:
     for workspace in _fi_ar_workspaces_for_group(group):
         try:
-            workspace.checkpoint_restore(TorchDistBackend(group=group))
+            on_every_rank(group, workspace.checkpoint_restore, store_comm(group))
         except NotImplementedError:
             if not skip_unsupported:
                 raise
@@ -450,12 +452,12 @@ class FlashInferAllReduce:
         self.max_num_tokens = 0
         self.disabled = False
 
-    def _size_workspace(self, hidden_dim: int, dtype: torch.dtype) -> None:
-        """Size as __init__ does, for the backend a `dtype` workspace gets; the
-        creation asks for the untuned size: get_fi_ar_workspace tunes mnnvl's."""
+    def _size_workspace(self, hidden_dim: int, dtype: torch.dtype, created=None):
+        """As __init__, for the backend a `dtype` workspace gets, or `created`."""
+        self.resolved_backend = created or _resolve_fi_ar_backend(self.group, dtype)
         max_size_mb = PassConfig.default_fi_allreduce_fusion_max_size_mb()
         untuned_size = int(max_size_mb[self.world_size] * MiB)
-        if _resolve_fi_ar_backend(self.group, dtype)[0] == "trtllm":
+        if self.resolved_backend[0] == "trtllm":
             self.max_workspace_size = untuned_size
         row_size = hidden_dim * dtype.itemsize
         self.max_num_tokens = self.max_workspace_size // row_size
@@ -477,6 +479,8 @@ class FlashInferAllReduce:
         if workspace is None:
             self.disabled = True
             return False
+        if workspace.backend != self.resolved_backend[0]:  # the trtllm fallback
+            self._size_workspace(hidden_dim, dtype, (workspace.backend, False))
         return True
 
     def should_use_fi_ar(self, input_tensor: torch.Tensor) -> bool:
@@ -511,7 +515,7 @@ class FlashInferAllReduce:
             return False
 
         if not self.max_num_tokens:
-            self._size_workspace(hidden_dim, input_tensor.dtype)
+            self._ensure_workspace(hidden_dim, input_tensor.dtype)
 
         if num_tokens > self.max_num_tokens:
             return False

@@ -37,14 +37,11 @@ Decisions = dict[str | None, FiArBackendDecision]
 
 @dataclasses.dataclass
 class Agreement:
-    """What every rank of a group agreed on, and how its creations went."""
+    """What every rank of a group agreed on."""
 
     decisions: Decisions
     node_count: int
     """vLLM's count for the group, taken here once: counting is collective."""
-    failed: set[str] = dataclasses.field(default_factory=set)
-    """The backends whose creation every rank gave up: not tried again."""
-    creations: int = 0
     logged: set[FiArBackendDecision] = dataclasses.field(default_factory=set)
     """The decisions the group's rank 0 has logged."""
 
@@ -59,6 +56,11 @@ def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Agreement:
     if group not in _groups:
         _groups[group] = _agree(group, config)
     return _groups[group]
+
+
+def node_count(group: ProcessGroup) -> int:
+    """vLLM's _node_count for the group, agreed with the rest."""
+    return agreed(group).node_count
 
 
 def device_capability() -> int | None:
@@ -111,12 +113,13 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
         hisparse=None if attention is None else attention.hisparse_config is not None,
         kernels=installed_kernels(),
     )
-    if inputs.hisparse is None:
+    decisions = _decide_every_dtype(inputs)
+    without = dataclasses.replace(inputs, hisparse=False)
+    if inputs.hisparse is None and decisions != _decide_every_dtype(without):
         logger.warning_once(
             "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
-            "on, the choice that cannot crash."
+            "on, the choice that cannot crash on these kernels."
         )
-    decisions = _decide_every_dtype(inputs)
     choice = tuple((d.backend, d.allow_trtllm_fallback) for d in decisions.values())
     probe = inputs.node_count > 1 and "mnnvl" in {d.backend for d in decisions.values()}
     views = gather(group, (choice, nvlink_fabric() if probe else True))
@@ -147,25 +150,29 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
     return Agreement(decisions, inputs.node_count)
 
 
+def decision(group: ProcessGroup, dtype: torch.dtype | None) -> FiArBackendDecision:
+    """The group's decision for a workspace of `dtype` (None: not yet known)."""
+    decisions = agreed(group).decisions
+    return decisions.get(str(dtype).removeprefix("torch."), decisions[None])
+
+
 def resolve_fi_ar_backend(
     group: ProcessGroup, dtype: torch.dtype | None, config: VllmConfig | None
 ) -> tuple[str | None, bool]:
     """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for
-    a workspace of `dtype` (None: not yet known), agreed at the group's first
-    call under the config current there (`config`). The group's own rank 0
-    logs it, whatever its local rank (vLLM's *_once lines print on each
-    node's local rank 0): the first dtype's line, then one for each later
-    dtype that gets another decision (a known issue can move one alone)."""
+    a workspace of `dtype`, agreed at the group's first call under the config
+    current there (`config`). The group's own rank 0 logs it, whatever its
+    local rank (vLLM's *_once lines print on each node's local rank 0): the
+    first dtype's line, then one for each dtype that a known issue moves."""
     state = agreed(group, config)
-    key = None if dtype is None else str(dtype).removeprefix("torch.")
-    d = state.decisions.get(key, state.decisions[None])
+    d = decision(group, dtype)
     if d not in state.logged and dist.get_rank(group) == 0:
         state.logged.add(d)
         warn = d.known_issue is not None and d.known_issue.backend == d.backend
         (logger.warning if warn else logger.info)(
             "FlashInfer all-reduce backend for ranks %s: %s%s (%s)%s",
             group_ranks(group),
-            f"{key}: " * (d != state.decisions[None]),
+            f"{str(dtype).removeprefix('torch.')}: " * (d != state.decisions[None]),
             d.backend or "off",
             d.reason,
             f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." * warn,
