@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Which FlashInfer all-reduce backend a deployment gets, and why: start-up's
-own decision, answered without a GPU. Exit 1 where start-up fails, 2 on a
-usage error."""
+"""Start-up's FlashInfer all-reduce backend for a deployment, and why, without a
+GPU. Exit 1 where start-up fails, 2 on a usage error."""
 
 import argparse
 import ast
@@ -65,8 +64,7 @@ def _source(module: str) -> ast.Module:
 
 
 def _fusion_max_size(capability: int, tp: int) -> float | None:
-    """vLLM's FI_ALLREDUCE_FUSION_MAX_SIZE_MB entry, without which
-    FlashInferAllReduce and the fusion pass leave FlashInfer off."""
+    """vLLM's SIZE_TABLE entry: without one, FlashInferAllReduce and fusion are off."""
     for node in ast.walk(_source(FUSION)):
         if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == SIZE_TABLE:
             assert node.value is not None
@@ -86,12 +84,16 @@ def _startup_error() -> str:
     return f"{ast.unparse(error.func)}: {ast.literal_eval(error.args[0])}"
 
 
-def _answer(args: argparse.Namespace) -> tuple[list[str], int]:
-    """The answer's lines, and the exit status."""
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.nnodes < 1 or args.tensor_parallel_size < 1:
+        parser.error("--nnodes and -tp must be at least 1")
     try:
         setting = args.backend or envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND
     except ValueError as e:
-        return [f"FlashInfer all-reduce: start-up fails: ValueError: {e}"], 1
+        print(f"FlashInfer all-reduce: start-up fails: ValueError: {e}")
+        return 1
     kernels = installed_kernels()
     if args.flashinfer_version is not None:
         kernels = (("flashinfer-python", str(args.flashinfer_version)),)
@@ -120,17 +122,8 @@ def _answer(args: argparse.Namespace) -> tuple[list[str], int]:
         lines.append(f"  assumed: NVSwitch {probes}, which start-up probes")
     shown = {**vars(inputs), "kernels": ", ".join(map(" ".join, kernels)) or None}
     lines.append("  inputs: " + "; ".join(f"{k}={v}" for k, v in shown.items()))
-    return lines, int(fails)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.nnodes < 1 or args.tensor_parallel_size < 1:
-        parser.error("--nnodes and -tp must be at least 1")
-    lines, status = _answer(args)
     print("\n".join(lines))
-    return status
+    return int(fails)
 
 
 if __name__ == "__main__":

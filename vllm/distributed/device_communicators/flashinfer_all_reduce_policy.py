@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Which FlashInfer all-reduce backend a process group uses, as a pure function
-of `FiArBackendInputs`, for start-up and explain alike. The FlashInfer bugs
-`auto` steers around are data; each retires once the kernels carry its fix."""
+"""A group's FlashInfer all-reduce backend as a pure function of its inputs, for
+start-up and explain alike; the FlashInfer bugs `auto` steers around are data."""
 
 import importlib
 from collections.abc import Callable, Iterable
@@ -19,8 +18,6 @@ FI_AR_DTYPES = ("float16", "bfloat16", "float32")
 
 @dataclass(frozen=True)
 class FiArBackendInputs:
-    """Everything the backend choice depends on."""
-
     setting: str
     node_count: int
     device_capability: int | None
@@ -28,17 +25,13 @@ class FiArBackendInputs:
     hisparse: bool | None
     """None while unknown (no vLLM config is current)."""
     kernels: tuple[tuple[str, str], ...]
-    """(package, release) of each FlashInfer package whose kernels may run."""
     dtype: str | None = None
     """The dtype the workspace is created for; None until one is."""
     no_fabric: tuple[int, ...] = ()
-    """The ranks where FlashInfer's is_mnnvl_fabric_supported is false."""
 
 
 @dataclass(frozen=True)
 class FiArKnownIssue:
-    """A FlashInfer bug in one backend's kernels, and when it bites."""
-
     name: str
     backend: str
     trigger: str
@@ -88,10 +81,9 @@ class FiArBackendDecision:
 
 
 def installed_kernels() -> tuple[tuple[str, str], ...]:
-    """The installed FlashInfer packages whose kernels may run: flashinfer-python,
-    a flashinfer-jit-cache shim and each provider it lists. Which one FlashInfer
-    loads from is its own rule (flashinfer/jit/env.py): counting every one can
-    only keep a workaround, never drop one."""
+    """(package, release) of flashinfer-python, a flashinfer-jit-cache shim and
+    each provider it lists. Which one runs is FlashInfer's rule (flashinfer/jit/
+    env.py): counting every one can only keep a workaround, never drop one."""
     try:
         kernels = [("flashinfer-python", version("flashinfer-python"))]
     except PackageNotFoundError:
@@ -112,91 +104,76 @@ def installed_kernels() -> tuple[tuple[str, str], ...]:
 
 
 def kernel_release(kernels: Iterable[tuple[str, str]]) -> tuple[Version | None, str]:
-    """The oldest release among `kernels` (FiArBackendInputs.kernels), and
-    its package; None (no fix counts) without any or an unreadable one."""
-    oldest: tuple[Version | None, str] = (None, "no flashinfer-python")
+    """The oldest release, named; None (no fix counts) if none or one is unreadable."""
+    parsed = []
     for package, release in kernels:
         try:
-            parsed = Version(release)
+            parsed.append((Version(release), f"{package} {release}"))
         except InvalidVersion:
             return None, f"{package} {release}"
-        if oldest[0] is None or parsed < oldest[0]:
-            oldest = (parsed, f"{package} {release}")
-    return oldest
-
-
-def _auto_candidates(inputs: FiArBackendInputs) -> tuple[list[str], str]:
-    """vLLM 0.34.0's `auto` before its HiSparse override, which the known
-    issues replace: the backends it would try, best first, and why."""
-    if inputs.node_count == 1:
-        return ["mnnvl", "trtllm"], (
-            "auto, single node (trtllm if NVSwitch multicast is unavailable)"
-        )
-    if (inputs.device_capability or 0) >= 100:
-        return ["mnnvl"], (
-            f"auto, {inputs.node_count} nodes on Blackwell: mnnvl is the only "
-            "backend that spans nodes"
-        )
-    return [], (
-        f"auto, {inputs.node_count} nodes: a multi-node group needs mnnvl on "
-        "Blackwell (SM100+)"
-    )
+    return min(parsed, key=lambda r: r[0], default=(None, "no flashinfer-python"))
 
 
 def decide_fi_ar_backend(
     inputs: FiArBackendInputs,
     known_issues: tuple[FiArKnownIssue, ...] = FI_AR_KNOWN_ISSUES,
 ) -> FiArBackendDecision:
-    """The backend for `inputs`: explicit settings are obeyed; `auto` takes
-    the first of vLLM's candidates that no unfixed known issue breaks, and
-    is off when none is left."""
+    """Explicit settings are obeyed; `auto` takes the first of vLLM's
+    candidates that no unfixed known issue breaks, and is off without one."""
     release, package = kernel_release(inputs.kernels)
-
-    def unfixed(backend: str) -> FiArKnownIssue | None:
-        for issue in known_issues:
-            fixed = release and issue.fixed_in and release >= Version(issue.fixed_in)
-            if issue.backend == backend and issue.applies(inputs) and not fixed:
-                return issue
-        return None
-
+    unfixed: dict[str, FiArKnownIssue] = {}  # the first per backend
+    for entry in known_issues:
+        fixed = release and entry.fixed_in and release >= Version(entry.fixed_in)
+        if entry.applies(inputs) and not fixed:
+            unfixed.setdefault(entry.backend, entry)
+    # vLLM 0.34.0's `auto`, less its HiSparse override: the known issues replace it.
+    nodes = inputs.node_count
     if inputs.setting != "auto":
-        backend: str | None = inputs.setting
-        issue = unfixed(inputs.setting)
-        allow_fallback = False
-        reason = f"{FI_AR_BACKEND_ENV}={backend} is set explicitly"
-        if issue is not None:
-            reason += f", and {backend} {issue.effect} on {_see(issue, package)}"
+        candidates = [inputs.setting]
+        reason = f"{FI_AR_BACKEND_ENV}={inputs.setting} is set explicitly"
+    elif nodes == 1:
+        candidates = ["mnnvl", "trtllm"]
+        reason = "auto, single node (trtllm if NVSwitch multicast is unavailable)"
+    elif (inputs.device_capability or 0) >= 100:
+        candidates = ["mnnvl"]
+        reason = (
+            f"auto, {nodes} nodes on Blackwell: mnnvl is the only backend that "
+            "spans nodes"
+        )
     else:
-        candidates, reason = _auto_candidates(inputs)
-        safe = [backend for backend in candidates if unfixed(backend) is None]
-        backend = safe[0] if safe else None
-        allow_fallback = backend == "mnnvl" and "trtllm" in safe
-        issue = unfixed(candidates[0]) if candidates else None
-        if issue is not None:
+        candidates = []
+        reason = (
+            f"auto, {nodes} nodes: a multi-node group needs mnnvl on Blackwell (SM100+)"
+        )
+    safe = [b for b in candidates if inputs.setting != "auto" or b not in unfixed]
+    backend = safe[0] if safe else None
+    allow_fallback = backend == "mnnvl" and "trtllm" in safe
+    issue = unfixed.get(candidates[0]) if candidates else None
+    if issue is not None:
+        fix = f"fixed in {issue.fixed_in}" if issue.fixed_in else "unfixed"
+        hit = (
+            f"{issue.backend} {issue.effect} on the kernels of {package} "
+            f"({issue.name}, {fix})"
+        )
+        if inputs.setting != "auto":
+            reason += f", and {hit}"
+        else:
             if backend is not None:
                 action = f"using {backend} on a single node"
-            elif inputs.node_count > 1:
-                action = f"off on {inputs.node_count} nodes (trtllm cannot span nodes)"
+            elif nodes > 1:
+                action = f"off on {nodes} nodes (trtllm cannot span nodes)"
             else:
                 action = "off (no backend is left)"
-            reason = (
-                f"auto, {issue.trigger}: {action}, as {issue.backend} {issue.effect} "
-                f"on {_see(issue, package)}"
-            )
+            reason = f"auto, {issue.trigger}: {action}, as {hit}"
     # Across nodes mnnvl needs an NVLink fabric on every rank (vllm#51986).
-    if backend == "mnnvl" and inputs.node_count > 1 and inputs.no_fabric:
-        backend, allow_fallback = None, False
+    if backend == "mnnvl" and nodes > 1 and inputs.no_fabric:
+        backend = None
         reason += (
             "; but mnnvl needs an NVLink fabric across nodes, and FlashInfer's "
             f"is_mnnvl_fabric_supported is false on {some_ranks(inputs.no_fabric)}, "
             "so FlashInfer all-reduce is off"
         )
     return FiArBackendDecision(backend, allow_fallback, reason, issue)
-
-
-def _see(issue: FiArKnownIssue, package: str) -> str:
-    fixed = f"fixed in {issue.fixed_in}" if issue.fixed_in else "unfixed"
-    return f"the kernels of {package} ({issue.name}, {fixed})"
 
 
 def some_ranks(ranks: Iterable[int]) -> str:
