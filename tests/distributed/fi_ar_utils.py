@@ -403,6 +403,7 @@ def run_group(
     ranks_per_node: int = 2,
     timeout: float = 240,
     vllm_groups: bool = False,
+    release: str | None = None,
 ) -> list[dict[str, dict[str, Any]]]:
     """Run `cases` on a gloo group; return, per rank, each case's result.
 
@@ -410,7 +411,9 @@ def run_group(
     is how vLLM tells nodes apart. The whole group is killed on `timeout`.
     With `vllm_groups`, the world is vLLM's (init_distributed_environment,
     each rank's local rank its rank on its node) and a case's `tp_pp` gives
-    vLLM's model-parallel groups (initialize_model_parallel).
+    vLLM's model-parallel groups (initialize_model_parallel). `release` is
+    the flashinfer-python whose Python the ranks import (fake_cuda's
+    flashinfer_release_path); by default the installed one.
     """
     world_size = nnodes * ranks_per_node
     with tempfile.TemporaryDirectory(prefix="fi-ar-group-") as tmp:
@@ -427,6 +430,15 @@ def run_group(
                 }
             )
         )
+        env = dict(os.environ)
+        if release is not None:
+            from fake_cuda import flashinfer_release_path
+
+            path = flashinfer_release_path(release)
+            if path is not None:
+                env["PYTHONPATH"] = os.pathsep.join(
+                    [str(path), env.get("PYTHONPATH", "")]
+                )
         nodes = []
         for node in range(nnodes):
             ranks = range(node * ranks_per_node, (node + 1) * ranks_per_node)
@@ -443,7 +455,7 @@ def run_group(
                     "node",
                     *cmd,
                 ]
-            nodes.append(subprocess.Popen(cmd, start_new_session=True))
+            nodes.append(subprocess.Popen(cmd, start_new_session=True, env=env))
         _wait_all(nodes, timeout)
         results = []
         for rank in range(world_size):
@@ -758,14 +770,18 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
     try:
         group = _case_group(rank, case)
         pin_gpu(patch, case.get("capability", 100))
-        device.install(patch)
+        if "cuda" in case:
+            _install_cuda(patch, case, fi_ar, factory, result)
+        else:
+            device.install(patch)
         if "flashinfer" in case:
             site = Path(tempfile.mkdtemp(prefix="fi-ar-site-"))
             write_synthetic_flashinfer(site, flashinfer=case["flashinfer"])
             patch.syspath_prepend(str(site))
-        patch.setattr(
-            fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
-        )
+        if "cuda" not in case:
+            patch.setattr(
+                fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
+            )
         if "bound" in case:
             patch.setenv(CREATE_TIMEOUT_ENV, str(case["bound"]))
         if "tuned" in case:
@@ -797,6 +813,17 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             if case.get("keys_left"):
                 time.sleep(2)  # the last rank out removes the keys
                 result["keys_left"] = creation_keys_left(group)
+        if case.get("checkpoint"):
+            # Sleep mode, as CudaCommunicator calls it; a rank may exit first.
+            if case.get("exit_before_checkpoint"):
+                os._exit(0)
+            try:
+                fi_ar.checkpoint_prepare_fi_ar_workspaces(group, skip_unsupported=True)
+                fi_ar.checkpoint_restore_fi_ar_workspaces(group, skip_unsupported=True)
+                result["checkpoint"] = "ok"
+            except Exception as e:
+                result["checkpoint"] = f"{type(e).__name__}: {e}"
+            result["checkpoint_seconds"] = time.perf_counter() - start
         if case.get("reacquire"):
             # As after a recompile or sleep/wake: destroyed, then acquired
             # again with no vLLM config current.
@@ -832,7 +859,7 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         result["log"] = factory.log
         result["sizes"] = factory.sizes
         result["fabric_probes"] = device.probes
-        result["kernel_loads"] = device.loads
+        result.setdefault("kernel_loads", device.loads)
         result["messages"] = messages.lines
         logging.getLogger("vllm").removeHandler(messages)
         with contextlib.suppress(Exception):
@@ -843,6 +870,44 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
 
             destroy_model_parallel()
     return result
+
+
+def _install_cuda(
+    patch: Any, case: dict[str, Any], fi_ar: Any, factory: Any, result: Any
+) -> None:
+    """FlashInfer's own creation, CUDA faked below it (fake_cuda.FakeCuda with
+    the case's `cuda` knobs); its calls recorded in `factory`'s log and sizes
+    as the constructor-level fake records them. `comm_exit_at` (a round of
+    the creation's comm backend, counted from 1) is where this rank's
+    process exits, `comm_late` ([round, seconds]) how late it comes to one."""
+    import importlib
+
+    from fake_cuda import FakeCuda
+
+    cuda = FakeCuda(**case["cuda"])
+    cuda.install(patch)
+    result["kernel_loads"] = cuda.kernel_loads
+    create = fi_ar.flashinfer_comm.create_allreduce_fusion_workspace
+
+    def recorded(**kwargs: Any) -> Any:
+        factory.log.append(f"create:{kwargs['backend']}")
+        factory.sizes.append((kwargs["backend"], kwargs["max_token_num"]))
+        return create(**kwargs)
+
+    patch.setattr(fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", recorded)
+    comm = importlib.import_module(CREATION_MODULE).StoreComm
+    round_trip, rounds = comm._round, [0]
+    exit_at, (late_at, late_s) = case.get("comm_exit_at"), case.get("comm_late", (0, 0))
+
+    def counted(self: Any, data: Any) -> Any:
+        rounds[0] += 1
+        if rounds[0] == exit_at:
+            os._exit(0)
+        if rounds[0] == late_at:
+            time.sleep(late_s)
+        return round_trip(self, data)
+
+    patch.setattr(comm, "_round", counted)
 
 
 def _case_group(rank: int, case: dict[str, Any]) -> Any:

@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The patch's creations and checkpoints through FlashInfer's own code.
+
+FlashInfer's create_allreduce_fusion_workspace, its workspaces, its handle
+exchange (file descriptors over its own sockets) and its checkpoints run as
+released, with only CUDA faked below them (fake_cuda.py), on real gloo
+groups: every path here makes FlashInfer's own comm-backend calls on the
+patch's StoreComm.
+"""
+
+import concurrent.futures
+from typing import Any
+
+import pytest
+from fi_ar_utils import ENV, every_rank, namespaces_unavailable, run_group
+
+BOUND = 3
+MARGIN = 12
+LATE = BOUND + 4
+# FlashInfer 0.7.4's mnnvl creation on one node: five allgathers, a barrier
+# (fake_cuda.COMM_CALLS).
+MNNVL_ROUNDS = 6
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, dict[str, Any]]]:
+    """Two ranks on one node; the last case leaves rank 1 dead."""
+    return run_group(
+        [
+            {"name": "clean", "cuda": {}, "checkpoint": True, "keys_left": True},
+            {"name": "no-multicast", "cuda": {"multicast": False}},
+            {
+                "name": "oom-on-rank-1",
+                "cuda": {},
+                "per_rank": {"1": {"cuda": {"fail_alloc": True}}},
+            },
+            {
+                "name": "late-rank",
+                "cuda": {},
+                "bound": BOUND,
+                "per_rank": {"1": {"comm_late": [1, LATE]}},
+            },
+            {
+                "name": "destroyed-and-created-again",
+                "cuda": {},
+                "env": {ENV: "trtllm"},
+                "reacquire": True,
+            },
+            {
+                "name": "dies-before-checkpoint",
+                "cuda": {},
+                "bound": BOUND,
+                "checkpoint": True,
+                "per_rank": {"1": {"exit_before_checkpoint": True}},
+            },
+        ],
+        nnodes=1,
+        ranks_per_node=2,
+        timeout=300,
+    )
+
+
+def _warnings(r: dict[str, Any]) -> list[str]:
+    return [m for m in r["messages"] if "every rank gave it up" in m]
+
+
+def test_a_creation_and_a_checkpoint_round_trip(two_ranks):
+    for r in every_rank(two_ranks, "clean"):
+        assert r["workspace"] == r["quant"] == "mnnvl" and r["shared"]
+        assert r["standalone_ready"]
+        assert r["checkpoint"] == "ok"
+        assert r["kernel_loads"] == []
+        assert r["keys_left"] == ["vllm-fi-ar/1/vote/0", "vllm-fi-ar/1/vote/1"]
+
+
+def test_no_multicast_falls_back_to_trtllm(two_ranks):
+    results = every_rank(two_ranks, "no-multicast")
+    for r in results:
+        assert r["workspace"] == r["quant"] == "trtllm"
+        assert r["kernel_loads"] == ["trtllm"]
+    [line] = _warnings(results[0])
+    assert "Device does not support multicasting" in line
+    assert line.endswith("falls back to trtllm.") and not _warnings(results[1])
+
+
+def test_an_out_of_memory_on_one_rank_ends_the_same_on_both(two_ranks):
+    """FlashInfer's own allocation-error exchange tells every rank; each
+    backend fails once, with one line naming rank 1's error."""
+    results = every_rank(two_ranks, "oom-on-rank-1")
+    for r in results:
+        assert r["workspace"] is None and r["quant"] is None
+        assert r["log"] == ["create:mnnvl", "create:trtllm"]
+    mnnvl, trtllm = _warnings(results[0])
+    assert "rank 1: creating or exporting the allocation failed" in mnnvl
+    assert trtllm.endswith("FlashInfer all-reduce is off for these ranks.")
+
+
+def test_a_late_rank_is_named_and_follows(two_ranks):
+    results = every_rank(two_ranks, "late-rank")
+    for r in results:
+        assert r["workspace"] is None and r["quant"] is None
+        assert r["seconds"] < LATE + MARGIN
+    [line] = _warnings(results[0])
+    assert f"rank 1 did not answer within {BOUND} s" in line
+
+
+def test_destroy_and_create_again(two_ranks):
+    for r in every_rank(two_ranks, "destroyed-and-created-again"):
+        assert r["workspace"] == r["reacquired"]["workspace"] == "trtllm"
+        assert r["reacquired"]["standalone_ready"]
+
+
+def test_sleep_with_a_dead_rank_raises_within_the_bound(two_ranks):
+    """checkpoint_prepare's barrier waits on the store, not on vLLM's group:
+    rank 0 raises at the bound, naming rank 1."""
+    r = two_ranks[0]["dies-before-checkpoint"]
+    assert r["workspace"] == "mnnvl"
+    assert r["checkpoint"].startswith("RuntimeError: FlashInfer all-reduce ")
+    assert f"rank 1 did not answer within {BOUND} s" in r["checkpoint"]
+    assert r["checkpoint_seconds"] < BOUND + MARGIN
+
+
+@pytest.fixture(scope="module")
+def deaths() -> dict[int, list[dict[str, dict[str, Any]]]]:
+    """Rank 1 exits at each of FlashInfer's exchanges, one group each."""
+
+    def die_at(k: int) -> list[dict[str, dict[str, Any]]]:
+        case = {"name": "dies", "cuda": {}, "bound": BOUND}
+        case["per_rank"] = {"1": {"comm_exit_at": k}}
+        return run_group([case], nnodes=1, ranks_per_node=2, timeout=300)
+
+    rounds = range(1, MNNVL_ROUNDS + 1)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        return dict(zip(rounds, pool.map(die_at, rounds), strict=True))
+
+
+@pytest.mark.parametrize("k", range(1, MNNVL_ROUNDS + 1))
+def test_a_rank_that_dies_at_each_exchange_ends_it_on_the_other(deaths, k):
+    r = deaths[k][0]["dies"]
+    assert "error" not in r, r.get("traceback")
+    assert r["workspace"] is None and r["quant"] is None
+    assert BOUND <= r["seconds"] < BOUND + MARGIN
+    [line] = _warnings(r)
+    assert f"rank 1 did not answer within {BOUND} s" in line
+
+
+@pytest.mark.skipif(
+    bool(namespaces_unavailable()), reason=str(namespaces_unavailable())
+)
+@pytest.mark.parametrize("release", ["0.7.4", "0.7.2.post1"])
+def test_two_nodes_share_fabric_handles(release):
+    """One rank a node, each with an NVLink fabric: mnnvl spans them with
+    FABRIC handles, in each release's own creation."""
+    case = {"name": "fabric", "cuda": {"fabric": True}, "checkpoint": True}
+    results = run_group([case], nnodes=2, ranks_per_node=1, release=release)
+    for r in every_rank(results, "fabric"):
+        assert r["workspace"] == "mnnvl"
+        assert r["checkpoint"] == "ok"
