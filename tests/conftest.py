@@ -13,12 +13,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             "instead of this tree's, to show which tests our change makes pass."
         ),
     )
+    parser.addoption(
+        "--vllm-tree",
+        metavar="PATH",
+        help="Run against another checkout's vllm/ files, such as an earlier commit's.",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
     # Before any test module imports vLLM, so the replaced modules resolve to
     # this tree (or to the stock base release); child processes inherit the choice.
-    source = "stock" if config.getoption("--stock-vllm") else "tree"
+    source = config.getoption("--vllm-tree") or "tree"
+    if config.getoption("--stock-vllm"):
+        source = "stock"
     config.stash[overlay_key] = tree_imports.install(source)
 
 
