@@ -187,7 +187,17 @@ def pin_gpu(
 
     cap = None if capability is None else DeviceCapability(*divmod(capability, 10))
     # Patched on the class: Platform's classmethods (has_device_capability)
-    # call each other through `cls`.
+    # call each other through `cls`. Each of our modules holds the platform it
+    # imported; a faked torch.cuda in an earlier test may have re-resolved it.
+    import importlib
+
+    for name in (MODULE, GROUP_MODULE):
+        held = type(importlib.import_module(name).current_platform)
+        if held is not type(current_platform):
+            monkeypatch.setattr(
+                held, "get_device_capability", classmethod(lambda cls, d=0: cap)
+            )
+            monkeypatch.setattr(held, "is_cuda", lambda self: True)
     platform = type(current_platform)
     monkeypatch.setattr(platform, "is_cuda", lambda self: True)
     monkeypatch.setattr(

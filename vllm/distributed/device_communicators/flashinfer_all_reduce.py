@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Description: steer around FlashInfer bugs only on kernels that have them
-#  (HiSparse gets mnnvl back on 0.7.4); bound and vote each collective step.
+# Description: FlashInfer bugs steered by kernel release; bounded, voted steps.
 # Bug: https://github.com/vllm-project/vllm/issues/64327 (flashinfer#7782)
+# Origin: vendor
+# Forwarded: no
+# Base: vllm==0.34.0
+# Last-Update: 2026-12-04
 # Applied-Upstream: 0.34.0, in part: HiSparse off mnnvl on every kernel.
 # Drop-When: each part as docs/contributing/upstream.md says.
 
@@ -26,13 +29,11 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import
     created_on_every_rank,
     forget_failures,
     on_every_rank,
+    resolve_fi_ar_backend,
     store_comm,
 )
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
+from vllm.distributed.device_communicators.flashinfer_all_reduce_creation import (
     node_count as _node_count,  # counted once per group: counting is collective
-)
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
-    resolve_fi_ar_backend,
 )
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -157,9 +158,7 @@ def _create_workspace(
     return workspace
 
 
-def _resolve_fi_ar_backend(
-    group: ProcessGroup, dtype: torch.dtype | None = None
-) -> tuple[str | None, bool]:
+def _resolve_fi_ar_backend(group: ProcessGroup, dtype=None) -> tuple[str | None, bool]:
     """Resolve the flashinfer allreduce backend for the current setup.
 
     Returns:

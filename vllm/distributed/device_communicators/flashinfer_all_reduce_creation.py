@@ -26,6 +26,12 @@ from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     gather,
     group_ranks,
 )
+from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
+    node_count as node_count,  # for the replaced module, with the rest
+)
+from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
+    resolve_fi_ar_backend as resolve_fi_ar_backend,
+)
 from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
     some_ranks,
 )
