@@ -363,10 +363,12 @@ def _gpus(monkeypatch: pytest.MonkeyPatch, count: int, major: int) -> None:
     from vllm.platforms.interface import DeviceCapability
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    # On the class: monkeypatch would leave an instance attribute behind,
+    # shadowing what later tests patch on the class.
     monkeypatch.setattr(
-        current_platform,
+        type(current_platform),
         "get_device_capability",
-        lambda device_id=0: DeviceCapability(major, 0),
+        classmethod(lambda cls, device_id=0: DeviceCapability(major, 0)),
     )
 
 
