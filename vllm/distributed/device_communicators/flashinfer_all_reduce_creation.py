@@ -1,12 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """FlashInfer all-reduce steps (a workspace's creation, checkpoint_prepare,
-checkpoint_restore) that end the same way on every rank of a group within
-one deadline. FlashInfer's collectives go over the group's store, not vLLM's
-gloo group (30 minutes) nor a group of our own. Each key is written once,
-first writer wins: a rank that fails writes its next round's key itself, one
-that waited to the deadline the keys still missing. So every rank reads the
-same values, the vote's too: a late rank follows the group's decision."""
+checkpoint_restore) that end the same way on every rank of a group within one
+deadline, over the group's store: vLLM's gloo group would wait 30 minutes.
+Each key is written once, first writer wins, so every rank reads the same
+values, the vote's too: a late rank follows the group's decision."""
 
 import functools
 import importlib
@@ -48,8 +46,7 @@ FAILED, LATE = ("left", "failed"), ("left", "late")
 
 
 def create_timeout_s() -> int:
-    """The bound, read as vllm.envs reads its variables (upstream's envs.py,
-    which this patch does not replace, does not know this one)."""
+    """Read as vllm.envs reads its variables: upstream's envs.py lacks it."""
     value = os.getenv(FI_AR_CREATE_TIMEOUT_ENV, str(FI_AR_CREATE_TIMEOUT_S))
     if value.isdigit() and int(value) > 0:
         return int(value)
@@ -61,8 +58,8 @@ class Stopped(Exception):
 
 
 class StoreComm:
-    """FlashInfer's CommBackend for one group, as flashinfer-python 0.7.2.post1
-    and 0.7.4 call it, inside a step only. FlashInfer keeps it for
+    """FlashInfer's CommBackend for one group (as flashinfer-python 0.7.2.post1
+    and 0.7.4 call it), inside a step only. FlashInfer keeps it for
     checkpoint_prepare's barrier, which on_every_rank runs as a step too."""
 
     def __init__(self, group: ProcessGroup):
@@ -70,11 +67,11 @@ class StoreComm:
         self.steps = 0
         self._store: Any = None
         self._last_vote: Any = None
+        # The backends every rank gave up: not tried again until destroyed.
         self.failed: set[str] = set()
-        """The backends every rank gave up: not tried again until destroyed."""
         self.warnings: list[str] = []
+        # Set once this rank left the step: the ranks that came late, if any.
         self.late: tuple[int, ...] | None = None
-        """Set once this rank left the step: the ranks that came late, if any."""
 
     def Get_rank(self) -> int:
         return self.rank
@@ -107,7 +104,6 @@ class StoreComm:
         return [data for _, data in values]
 
     def _exchange(self, prefix: str, mine: Any, deadline: float) -> list[Any]:
-        """Every rank's value: this rank's written, then all read."""
         keys = [f"{prefix}{i}" for i in range(len(self.ranks))]
         self._store.compare_set(keys[self.rank], "", pickle.dumps(mine))
         try:
@@ -119,14 +115,13 @@ class StoreComm:
         return [pickle.loads(value) for value in self._store.multi_get(keys)]
 
     def run(self, group: ProcessGroup, step: Callable, *args: Any) -> tuple:
-        """`step(*args)` here, then the vote: this rank's result, the group's
-        decision ("keep", "backend", "group" or "raise"), why, and this
-        rank's exception. A rank failed where upstream warned."""
+        """`step(*args)`, then the vote: this rank's result, the group's
+        decision and why (see decide), and this rank's exception."""
         self.steps += 1
         key = f"vllm-fi-ar/{self.steps}/"
         self._store = dist.PrefixStore(key, group.get_group_store())
-        self._bound = create_timeout_s()
-        self._rounds, self._deadline = 0, time.monotonic() + self._bound
+        bound = create_timeout_s()
+        self._rounds, self._deadline = 0, time.monotonic() + bound
         self.warnings, self.late, result, raised = [], None, None, None
         try:
             result = step(*args)
@@ -148,20 +143,19 @@ class StoreComm:
         store, deadline = self._store, self._deadline + VOTE_GRACE_S
         votes, self._store = self._exchange("vote/", mine, deadline), None
         if all(vote == ("ok", None) for vote in votes):
-            # Every rank has voted: none reads this step's rounds again, nor
-            # the last step's vote, which a late rank would have read.
+            # Every rank voted: none reads this step's rounds again, nor the
+            # last step's vote, which a late rank would have read.
             for r in range(1, self._rounds + 1):
                 store.delete_key(f"{r}/{self.rank}")
             if self._last_vote is not None:
                 self._last_vote.delete_key(f"vote/{self.rank}")
         self._last_vote = store
-        return result, *decide(self.ranks, votes, self._bound), raised
+        return result, *decide(self.ranks, votes, bound), raised
 
 
 def decide(ranks: tuple[int, ...], votes: list[tuple], bound: int) -> tuple[str, str]:
-    """The group's decision from every rank's vote: a rank that raised makes
-    every rank raise; one that failed gives the backend up; one that did not
-    answer gives FlashInfer all-reduce up for the group (it may be dead)."""
+    """A rank that raised makes every rank raise; one that failed gives the
+    backend up; one that did not answer, FlashInfer all-reduce (it may be dead)."""
     for kind, action in (("raised", "raise"), ("failed", "backend")):
         errors: dict[str, list[int]] = {}
         for rank, (vote_kind, detail) in zip(ranks, votes, strict=True):
@@ -196,22 +190,20 @@ def forget_failures() -> None:
 
 def on_every_rank(group: ProcessGroup, step: Callable, *args: Any) -> Any:
     """A workspace's checkpoint_prepare or checkpoint_restore: every rank
-    returns, or every rank raises (its own exception where it raised one,
-    such as upstream's NotImplementedError)."""
+    returns, or raises (its own exception where it raised one, such as
+    upstream's NotImplementedError)."""
     comm = store_comm(group)
     result, action, why, raised = comm.run(group, step, *args)
-    if action == "keep":
-        return result
-    if raised is not None:
-        raise raised
-    what = f"FlashInfer all-reduce {step.__name__} for ranks {comm.ranks}"
-    raise RuntimeError(f"{what}: {why}")
+    if action != "keep":
+        what = f"FlashInfer all-reduce {step.__name__} for ranks {comm.ranks}"
+        raise RuntimeError(f"{what}: {why}") if raised is None else raised
+    return result
 
 
 def _load_kernels() -> str | None:
-    """trtllm's creation loads its kernels between two of its collectives: a
-    JIT build on a cold cache, before the deadline starts. mnnvl's creation
-    loads none (0.7.4 calls get_trtllm_mnnvl_comm_module at all-reduce)."""
+    """trtllm's creation loads its kernels (a JIT build on a cold cache) between
+    two of its collectives: loaded before the deadline starts. mnnvl's loads
+    none (0.7.4 calls get_trtllm_mnnvl_comm_module at all-reduce)."""
     try:
         importlib.import_module("flashinfer.comm.trtllm_ar").get_trtllm_comm_module()
     except Exception as e:
@@ -221,11 +213,9 @@ def _load_kernels() -> str | None:
 
 def created_on_every_rank(registry: dict[int, Any]) -> Callable[[Callable], Callable]:
     """Makes `create` (upstream's _create_workspace, given its StoreComm as
-    `creation`) end the same way on every rank of its group, within
-    FI_AR_CREATE_TIMEOUT_S (or its setting) plus VOTE_GRACE_S once trtllm's
-    kernels load: all keep the workspace, give it up (destroyed, out of
-    `registry`, not tried again) or raise one error. The group's rank 0 says
-    why, in one warning."""
+    `creation`) end the same way on every rank within FI_AR_CREATE_TIMEOUT_S
+    (or its setting) plus VOTE_GRACE_S once trtllm's kernels load: all keep the
+    workspace, give it up (out of `registry`, not tried again) or raise."""
 
     def decorate(create: Callable) -> Callable:
         @functools.wraps(create)

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The FlashInfer all-reduce backend of a process group, agreed by its ranks:
-ranks that create different workspaces hang. They agree once, in one round
-on vLLM's group, and make no process group of their own (torch numbers groups
+ranks that create different workspaces hang. They agree once, in one round on
+vLLM's group, and make no process group of their own (torch numbers groups
 per process, so one more on some ranks hangs every later new_group)."""
 
 import dataclasses
@@ -30,36 +30,24 @@ from vllm.platforms import current_platform
 
 logger = init_logger(__name__)
 
-# The workspace dtypes a group decides for; None is the dtype not yet known.
-_DTYPE_KEYS = (None, *FI_AR_DTYPES)
-Decisions = dict[str | None, FiArBackendDecision]
-
 
 @dataclasses.dataclass
 class Agreement:
-    """What every rank of a group agreed on."""
+    """What every rank of a group agreed on: a decision per workspace dtype
+    (None: not yet known), vLLM's node count, taken once as counting is
+    collective, and the decisions the group's rank 0 has logged."""
 
-    decisions: Decisions
+    decisions: dict[str | None, FiArBackendDecision]
     node_count: int
-    """vLLM's count for the group, taken here once: counting is collective."""
-    logged: set[FiArBackendDecision] = dataclasses.field(default_factory=set)
-    """The decisions the group's rank 0 has logged."""
+    logged: set[FiArBackendDecision]
 
 
+_DTYPE_KEYS = (None, *FI_AR_DTYPES)
 # Held weakly, so that per-group state goes with its group.
 _groups = weakref.WeakKeyDictionary[ProcessGroup, Agreement]()
 
 
-def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Agreement:
-    """The group's state, agreed by its ranks on first use, under `config`
-    (the vLLM config current then)."""
-    if group not in _groups:
-        _groups[group] = _agree(group, config)
-    return _groups[group]
-
-
 def node_count(group: ProcessGroup) -> int:
-    """vLLM's _node_count for the group, agreed with the rest."""
     return agreed(group).node_count
 
 
@@ -89,21 +77,21 @@ def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-def _decide_every_dtype(inputs: FiArBackendInputs) -> Decisions:
+def _decide_every_dtype(inputs: FiArBackendInputs, **changes: Any) -> dict:
     """A known issue may hit one dtype only."""
     return {
-        key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key))
+        key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key, **changes))
         for key in _DTYPE_KEYS
     }
 
 
-def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
-    """Decide for every workspace dtype and agree, in one round that also
-    carries each rank's NVLink fabric probe where mnnvl would span nodes.
-
-    Ranks can see different inputs (the variable set on one node only), and
-    ranks that create different workspaces hang: disagreeing, they are off.
-    """
+def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Agreement:
+    """The group's agreement, reached on first use under `config` (the vLLM
+    config current then), in one round that also carries each rank's NVLink
+    fabric probe where mnnvl would span nodes. Ranks can see different inputs
+    (the variable set on one node only): disagreeing, they are off."""
+    if group in _groups:
+        return _groups[group]
     # vLLM sets hisparse_config for a HiSparseConnector, also in a MultiConnector.
     attention = None if config is None else config.attention_config
     inputs = FiArBackendInputs(
@@ -114,8 +102,8 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
         kernels=installed_kernels(),
     )
     decisions = _decide_every_dtype(inputs)
-    without = dataclasses.replace(inputs, hisparse=False)
-    if inputs.hisparse is None and decisions != _decide_every_dtype(without):
+    unknown = inputs.hisparse is None
+    if unknown and decisions != _decide_every_dtype(inputs, hisparse=False):
         logger.warning_once(
             "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
             "on, the choice that cannot crash on these kernels."
@@ -123,7 +111,9 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
     choice = tuple((d.backend, d.allow_trtllm_fallback) for d in decisions.values())
     probe = inputs.node_count > 1 and "mnnvl" in {d.backend for d in decisions.values()}
     views = gather(group, (choice, nvlink_fabric() if probe else True))
-    ranks = group_ranks(group)
+    ranks, logged = group_ranks(group), set()
+    if no_fabric := tuple(r for r, (_, ok) in zip(ranks, views, strict=True) if not ok):
+        decisions = _decide_every_dtype(inputs, no_fabric=no_fabric)
     if len({view for view, _ in views}) > 1:
         i = next(i for i in range(len(choice)) if len({v[i] for v, _ in views}) > 1)
         if dist.get_rank(group) == 0:
@@ -141,13 +131,9 @@ def _agree(group: ProcessGroup, config: VllmConfig | None) -> Agreement:
                 FI_AR_BACKEND_ENV,
             )
         off = FiArBackendDecision(None, False, "the ranks disagree")
-        decisions = dict.fromkeys(_DTYPE_KEYS, off)
-        return Agreement(decisions, inputs.node_count, logged={off})
-    if no_fabric := tuple(r for r, (_, ok) in zip(ranks, views, strict=True) if not ok):
-        decisions = _decide_every_dtype(
-            dataclasses.replace(inputs, no_fabric=no_fabric)
-        )
-    return Agreement(decisions, inputs.node_count)
+        decisions, logged = dict.fromkeys(_DTYPE_KEYS, off), {off}
+    _groups[group] = Agreement(decisions, inputs.node_count, logged)
+    return _groups[group]
 
 
 def decision(group: ProcessGroup, dtype: torch.dtype | None) -> FiArBackendDecision:
@@ -159,11 +145,10 @@ def decision(group: ProcessGroup, dtype: torch.dtype | None) -> FiArBackendDecis
 def resolve_fi_ar_backend(
     group: ProcessGroup, dtype: torch.dtype | None, config: VllmConfig | None
 ) -> tuple[str | None, bool]:
-    """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for
-    a workspace of `dtype`, agreed at the group's first call under the config
-    current there (`config`). The group's own rank 0 logs it, whatever its
-    local rank (vLLM's *_once lines print on each node's local rank 0): the
-    first dtype's line, then one for each dtype that a known issue moves."""
+    """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for a
+    workspace of `dtype`. The group's own rank 0 logs it, whatever its local
+    rank (vLLM's *_once lines print on each node's local rank 0): the first
+    dtype's line, then one for each dtype that a known issue moves."""
     state = agreed(group, config)
     d = decision(group, dtype)
     if d not in state.logged and dist.get_rank(group) == 0:
