@@ -6,8 +6,10 @@
 under a VllmConfig with HiSparse on and, per shape of a sweep, replays its
 steps (fused_all_reduce_step.py), checking every output. It tells the
 launcher what happens, progress included, as JSON lines on the pipe FD. On
-CPU the emulated kernels of tests/benchmarks/fused_all_reduce_cpu.py stand
-in for FlashInfer's, without graphs or host traffic.
+CPU, FlashInfer's own workspace creation runs with CUDA faked below it
+(tests/distributed/fake_cuda.py), and the emulated kernels of
+tests/benchmarks/fused_all_reduce_cpu.py stand in for FlashInfer's, without
+graphs or host traffic.
 """
 
 import contextlib
@@ -38,8 +40,9 @@ from fused_all_reduce_step import (
 )
 
 FI_AR_PACKAGE = "vllm.distributed.device_communicators"
-# The emulated kernels that stand in for FlashInfer's on CPU: test code.
-CPU_KERNELS = Path(__file__).resolve().parents[1] / "tests/benchmarks"
+# On CPU, test code: the emulated kernels (tests/benchmarks) and the CUDA
+# faked below FlashInfer (tests/distributed), which the former imports.
+TESTS = Path(__file__).resolve().parents[1] / "tests"
 OP_MODULE = "vllm.models.common.ops.fused_allreduce_rms_norm"
 # The known issue whose zeroed tokens are a finding of their own.
 OVERFLOW_ISSUE = "mnnvl fp16 RMSNorm overflow"
@@ -184,9 +187,18 @@ class Rank:
         self.fi_ar = ours("")
         kernel = counted_kernel_release()
         if not self.cuda:
-            sys.path.insert(0, str(CPU_KERNELS))
-            self.cpu: Any = importlib.import_module("fused_all_reduce_cpu")
-            self.cpu.install_cpu_kernel(self.op_module, kernel["release"] or "0")
+            from vllm.explain_flashinfer_all_reduce import _fusion_max_size
+
+            sys.path.insert(0, str(TESTS / "benchmarks"))
+            sys.path.append(str(TESTS / "distributed"))  # last: shadows nothing
+            cpu = importlib.import_module("fused_all_reduce_cpu")
+            self.cpu: Any = cpu.install_cpu_kernel(
+                self.op_module,
+                kernel["release"] or "0",
+                _fusion_max_size(self.spec["capability"], self.world_size),
+                self.rank,
+                self.world_size,
+            )
         self.count_kernel_calls()
         if (self.spec.get("inject") or {}).get("kind") == "fallback":
             # Every rank's gate refuses, as on a group where FlashInfer
@@ -308,6 +320,7 @@ class Rank:
             input_sets=INPUT_SETS,
             step_nodes=[list(node) for node in steps[0].nodes],
             lines=list(self.lines.lines),
+            **({} if self.cuda else {"creation": self.creation(ws)}),
         )
         self.replay(steps, deadline)
         self.report.send(
@@ -316,6 +329,15 @@ class Rank:
             hidden=hidden,
             overlap=[sum(step.overlap[i] for step in steps) for i in (0, 1)],
         )
+
+    def creation(self, ws: Any) -> dict[str, Any]:
+        """On CPU, what made the workspace: its class, and the calls so far
+        to the faked CUDA below FlashInfer."""
+        kind = type(ws)
+        return {
+            "workspace": f"{kind.__module__}.{kind.__qualname__}",
+            "driver_calls": dict(self.cpu.cuda.driver_calls),
+        }
 
     def prepare(self, step: Step) -> None:
         """An eager, checked run (a model's warm-up), then on GPUs the

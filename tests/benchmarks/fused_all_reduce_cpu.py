@@ -6,14 +6,15 @@
 arithmetic from their headers (lines cited are of flashinfer-python
 0.7.2.post1 unless told); the arithmetic tests hold the check's reference
 and tolerance (benchmarks/fused_all_reduce_reference.py) to them.
-`install_cpu_kernel` puts the emulation of the decided backend where
-FlashInfer serves vLLM's op, for `check_fused_all_reduce.py --device cpu`:
-the harness on gloo, without GPUs. Test code: no GPU run uses it.
+`install_cpu_kernel`, for `check_fused_all_reduce.py --device cpu` (the
+harness on gloo, without GPUs), fakes CUDA below FlashInfer so that its own
+workspace creation runs, and puts the emulation of the backend it made where
+FlashInfer's kernel serves vLLM's op. Test code: no GPU run uses it.
 """
 
-import contextlib
 import functools
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,15 +22,6 @@ import torch.distributed as dist
 from fused_all_reduce_reference import rms_scale
 
 FI_AR_MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
-# FlashInfer's kernel-module loaders (flashinfer/comm/trtllm_ar.py and
-# trtllm_mnnvl_ar.py): nothing to load on CPU, and nothing to build for.
-FLASHINFER_KERNEL_LOADERS = (
-    ("flashinfer.comm.trtllm_ar", "get_trtllm_comm_module"),
-    ("flashinfer.comm.trtllm_mnnvl_ar", "get_trtllm_mnnvl_comm_module"),
-)
-# The fusion size budget of PassConfig.default_fi_allreduce_fusion_max_size_mb
-# on CPU, where that table (it imports CUDA ops) cannot load.
-CPU_FUSION_MAX_SIZE_MB = 64
 MiB = 1024 * 1024
 # flashinfer/comm/trtllm_mnnvl_ar.py (0.7.2.post1 and 0.7.4) lines 44-51:
 # one-shot where tokens * hidden * tp * element size is at most 1 MiB.
@@ -112,45 +104,34 @@ def _squares_in_t(release: str) -> bool:
     return Version(release) < Version("0.7.4")
 
 
-class ReferenceWorkspace:
-    """FlashInfer's all-reduce workspace on CPU: its constructor is a
-    collective, as FlashInfer's is, and it takes what fits its budget."""
+def install_cpu_kernel(
+    op_module: Any, release: str, size_mb: float, rank: int, tp_size: int
+) -> "CpuDevice":
+    """Fake CUDA below FlashInfer, and put the emulated kernel where it
+    serves the op; returns the device that stands in for this rank's GPU.
 
-    def __init__(self, *, backend: str, max_token_num: int, hidden_dim: int, **kw: Any):
-        dist.barrier(group=kw["group"])
-        self.backend, self.group, self.mc_ptr = backend, kw["group"], 1
-        self.max_elements = max_token_num * hidden_dim
-
-    def is_buffer_size_sufficient(
-        self, num_tokens: int, hidden_dim: int, **_: Any
-    ) -> bool:
-        return num_tokens * hidden_dim <= self.max_elements
-
-    def destroy(self) -> None:
-        pass
-
-
-def install_cpu_kernel(op_module: Any, release: str) -> None:
-    """Put the emulated kernel where FlashInfer serves the op.
-
-    FlashInfer's workspace constructor is replaced where this build's
-    get_fi_ar_workspace calls it, so the decision, the rank agreement and
-    the creation vote still run; the op's kernel and its gate are replaced
-    in the op's module, keeping every check of vLLM's gate
-    (`_can_use_flashinfer`) but the one for a CUDA tensor. The kernel
-    gathers every rank's partial sums (in rank order, as the kernels read
-    them) and runs the emulation of the backend decided, at `release`.
+    FlashInfer's own create_allreduce_fusion_workspace runs, over this
+    build's get_fi_ar_workspace and the patch's creation, on the faked
+    device of tests/distributed/fake_cuda.py that the suite runs it on
+    (with multicast, as NVSwitch GPUs have): the check's start-up is the
+    suite's sequence. The fake holds no memory, so the kernel is emulated:
+    vLLM's gate (`_can_use_flashinfer`) is kept but for its check of a CUDA
+    tensor, and sized by vLLM's fusion table (`size_mb`, the row the
+    launcher read), as on GPUs; the kernel gathers every rank's partial
+    sums (in rank order, as the kernels read them) and runs the emulation
+    of the backend FlashInfer made, at `release`.
     """
-    fi_ar = importlib.import_module(FI_AR_MODULE)
+    import pytest
+    from fake_cuda import FakeCuda  # tests/distributed, which the rank adds
+
     from vllm.distributed.parallel_state import (
         get_tensor_model_parallel_rank,
         get_tp_group,
     )
 
-    fi_ar.flashinfer_comm.create_allreduce_fusion_workspace = ReferenceWorkspace
-    for module_name, loader in FLASHINFER_KERNEL_LOADERS:
-        with contextlib.suppress(ImportError):
-            setattr(importlib.import_module(module_name), loader, lambda: None)
+    fi_ar = importlib.import_module(FI_AR_MODULE)
+    device = CpuDevice(FakeCuda(device=rank, device_count=max(8, tp_size)), size_mb)
+    device.cuda.install(pytest.MonkeyPatch())  # for the process's life
 
     def workspace(tp_size: int, max_token_num: int, hidden_states: torch.Tensor):
         return fi_ar.get_fi_ar_workspace(
@@ -170,7 +151,7 @@ def install_cpu_kernel(op_module: Any, release: str) -> None:
         ):
             return False, 0
         num_tokens, hidden = hidden_states.shape
-        max_token_num = op_max_token_num(tp_size, hidden, hidden_states.dtype)
+        max_token_num = device.op_max_token_num(tp_size, hidden, hidden_states.dtype)
         if num_tokens > max_token_num:
             return False, 0
         ws = workspace(tp_size, max_token_num, hidden_states)
@@ -198,7 +179,8 @@ def install_cpu_kernel(op_module: Any, release: str) -> None:
         ws = workspace(world_size, max_token_num, allreduce_in)
         assert ws is not None, "the workspace must exist when the kernel runs"
         partials = [torch.empty_like(allreduce_in) for _ in range(world_size)]
-        dist.all_gather(partials, allreduce_in.contiguous(), group=ws.group)
+        group = get_tp_group().cpu_group
+        dist.all_gather(partials, allreduce_in.contiguous(), group=group)
         emulate = (
             functools.partial(emulate_mnnvl, release=release)
             if ws.backend == "mnnvl"
@@ -212,6 +194,7 @@ def install_cpu_kernel(op_module: Any, release: str) -> None:
 
     op_module._can_use_flashinfer = can_use
     op_module.flashinfer_trtllm_fused_allreduce_norm = kernel
+    return device
 
 
 def use_oneshot(
@@ -224,6 +207,17 @@ def use_oneshot(
     return backend != "mnnvl" or size <= MNNVL_ONE_SHOT_THRESHOLD
 
 
-def op_max_token_num(tp_size: int, hidden: int, dtype: torch.dtype) -> int:
-    element_size = torch.tensor([], dtype=dtype).element_size()
-    return CPU_FUSION_MAX_SIZE_MB * MiB // (hidden * element_size)
+@dataclass
+class CpuDevice:
+    """What stands in for a rank's GPU on CPU: its faked CUDA device (whose
+    `driver_calls` say what FlashInfer's creation did) and the size of
+    vLLM's fusion table row, which vLLM's gate reads on GPUs."""
+
+    cuda: Any  # fake_cuda.FakeCuda
+    size_mb: float
+    use_oneshot = staticmethod(use_oneshot)
+
+    def op_max_token_num(self, tp_size: int, hidden: int, dtype: torch.dtype) -> int:
+        """The workspace token budget vLLM's op asks for (`_max_token_num`)."""
+        element_size = torch.tensor([], dtype=dtype).element_size()
+        return int(self.size_mb * MiB) // (hidden * element_size)

@@ -156,6 +156,10 @@ def test_cpu_run_passes_and_reports_what_ran(run_env: dict[str, str]) -> None:
     assert [n[1] for n in result["step_nodes"]] == ["gemm", "fused"] * 4
     assert result["traffic_overlap"] is None and result["devices"] == [None, None]
     assert result["known_issues"] == []
+    # FlashInfer's own creation made the workspace, on the suite's fake CUDA.
+    (made, *_) = result["creation"]
+    assert made["workspace"].startswith("flashinfer.comm."), made
+    assert sum(made["driver_calls"].values()) > 0, made
     # The start-up line of this build's decision and the workspace's.
     assert any(
         "FlashInfer all-reduce backend for ranks" in line
@@ -344,6 +348,8 @@ def test_tp8_runs_on_cpu_as_on_sm100(run_env: dict[str, str]) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"{PROG}: PASS\n"), proc.stdout
     assert "CPU, vLLM's fusion table read for sm 10.0 (" in proc.stdout
+    assert "creation    FlashInfer's own" in proc.stdout, proc.stdout
+    assert "(MNNVLAllReduceFusionWorkspace), CUDA faked" in proc.stdout
 
 
 # The launcher's and the checker's parts, in-process -----------------------
