@@ -889,7 +889,9 @@ def _install_cuda(
     the case's `cuda` knobs); its calls recorded in `factory`'s log and sizes
     as the constructor-level fake records them. `comm_exit_at` (a round of
     the creation's comm backend, counted from 1) is where this rank's
-    process exits, `comm_late` ([round, seconds]) how late it comes to one."""
+    process exits, `comm_late` ([round, seconds]) how late it comes to one;
+    `foreign_workspace`: FlashInfer's workspace, made, is already another
+    group's on this rank."""
     import importlib
 
     from fake_cuda import FakeCuda
@@ -902,7 +904,10 @@ def _install_cuda(
     def recorded(**kwargs: Any) -> Any:
         factory.log.append(f"create:{kwargs['backend']}")
         factory.sizes.append((kwargs["backend"], kwargs["max_token_num"]))
-        return create(**kwargs)
+        workspace = create(**kwargs)
+        if case.get("foreign_workspace"):  # upstream's own check raises here
+            fi_ar._fi_ar_workspace_groups[id(workspace)] = object()
+        return workspace
 
     patch.setattr(fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", recorded)
     comm = importlib.import_module(CREATION_MODULE).StoreComm

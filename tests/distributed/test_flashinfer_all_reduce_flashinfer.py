@@ -156,3 +156,58 @@ def test_two_nodes_share_fabric_handles(release):
     for r in every_rank(results, "fabric"):
         assert r["workspace"] == "mnnvl"
         assert r["checkpoint"] == "ok"
+
+
+@pytest.fixture(scope="module")
+def vllm_groups() -> list[dict[str, dict[str, Any]]]:
+    """Four ranks on one node in vLLM's own groups, each with its local rank."""
+    return run_group(
+        [
+            {
+                "name": "second-tp-group-oom",
+                "cuda": {},
+                "tp_pp": [2, 2],
+                "per_rank": {"3": {"cuda": {"fail_alloc": True}}},
+            },
+            {
+                "name": "raises-on-rank-1",
+                "cuda": {},
+                "tp_pp": [4, 1],
+                "bound": 60,
+                "per_rank": {"1": {"foreign_workspace": True}},
+            },
+        ],
+        nnodes=1,
+        ranks_per_node=4,
+        timeout=300,
+        vllm_groups=True,
+    )
+
+
+def test_a_tp_group_without_local_rank_0_warns_from_its_own_rank_0(vllm_groups):
+    """TP2 x PP2: rank 3 runs out of memory in group (2, 3), whose rank 0 is
+    local rank 2; it alone says so, once per backend, and group (0, 1)
+    keeps mnnvl without a word. FlashInfer's allocation-error exchange fails
+    both ranks, naming rank 3 by its rank in the group."""
+    results = [r["second-tp-group-oom"] for r in vllm_groups]
+    assert [r["workspace"] for r in results] == ["mnnvl", "mnnvl", None, None]
+    assert [len(_warnings(r)) for r in results] == [0, 0, 2, 0]
+    mnnvl, trtllm = _warnings(results[2])
+    assert "workspace for ranks (2, 3): failed on ranks 2, 3 (" in mnnvl
+    assert "rank 1: creating or exporting the allocation failed" in mnnvl
+    assert trtllm.endswith("FlashInfer all-reduce is off for these ranks.")
+
+
+def test_an_exception_on_one_rank_after_flashinfers_creation_is_raised_on_all(
+    vllm_groups,
+):
+    """FlashInfer's creation completes everywhere; upstream's own check then
+    raises on rank 1 only: every rank raises that error, none falls back."""
+    for r in (r["raises-on-rank-1"] for r in vllm_groups):
+        assert r["error"] == (
+            "RuntimeError: FlashInfer mnnvl all-reduce workspace for ranks "
+            "(0, 1, 2, 3): raised on rank 1 (RuntimeError: FlashInfer returned an "
+            "all-reduce workspace already associated with a different process group)"
+        )
+        assert r["log"] == ["create:mnnvl"]
+        assert r["seconds"] < MARGIN
