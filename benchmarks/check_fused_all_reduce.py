@@ -109,11 +109,7 @@ class Launcher:
                     str(rank): self.log_tail(rank) for rank in entry["ranks"]
                 }
         self.elapsed = time.monotonic() - self.started
-        # On CPU, what made rank 0's workspace for each shape, which the
-        # summary reports: FlashInfer's creation, and the faked CUDA below it.
-        configs = [e for e in self.events if e["event"] == "config"]
-        made = [e["creation"] for e in configs if "creation" in e and not e["rank"]]
-        return summarize(self) | {"creation": made}
+        return summarize(self)
 
     def spec(self) -> dict[str, Any]:
         """What every rank is told."""
@@ -353,25 +349,6 @@ def self_test(args: argparse.Namespace) -> int:
     return 0 if verdict == "PASS" else 1
 
 
-def summary(result: dict[str, Any]) -> str:
-    """format_summary's, and on CPU what ran where a GPU would: FlashInfer's
-    own creation, with CUDA faked below it, and an emulated kernel."""
-    lines = format_summary(result).split("\n")
-    if result["creation"]:
-        made = result["creation"][-1]
-        calls = made["driver_calls"]
-        lines.insert(
-            next(i for i, line in enumerate(lines) if "  devices " in line) + 1,
-            (
-                f"  creation    FlashInfer's own, {len(result['creation'])} time(s) "
-                f"({made['workspace'].rpartition('.')[2]}), CUDA faked below it "
-                f"(tests/distributed/fake_cuda.py: {calls.get('cuMemCreate', 0)} "
-                f"cuMemCreate, {sum(calls.values())} calls on rank 0); kernel emulated"
-            ),
-        )
-    return "\n".join(lines)
-
-
 def _terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -388,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.self_test:
         return self_test(args)
     result = Launcher(args, args.inject_spec, args.seconds).run()
-    print(json.dumps(result, indent=2) if args.json else summary(result))
+    print(json.dumps(result, indent=2) if args.json else format_summary(result))
     return 0 if result["verdict"] == "PASS" else 1
 
 

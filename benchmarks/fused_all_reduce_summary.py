@@ -67,6 +67,9 @@ def summarize(run: Any) -> dict[str, Any]:
         ],
         "layers": args.layers,
         "input_sets": configs[0]["input_sets"] if configs else None,
+        # On CPU, what made rank 0's workspace for each shape: FlashInfer's
+        # own creation, and the calls to the CUDA faked below it.
+        "creation": [c["creation"] for c in configs if "creation" in c],
         # The step's launches in order: (stream, op, call or layer).
         "step_nodes": configs[0]["step_nodes"] if configs else [],
         # Of the fused calls' time in the last replay of each burst, the
@@ -115,6 +118,21 @@ def describe_mismatch(m: dict[str, Any]) -> str:
     )
 
 
+def creation_line(creation: list[dict[str, Any]]) -> list[str]:
+    """On CPU: FlashInfer's own creation ran, with CUDA faked below it, and
+    an emulated kernel stood in for FlashInfer's."""
+    if not creation:
+        return []
+    calls, kind = creation[-1]["driver_calls"], creation[-1]["workspace"]
+    line = (
+        f"  creation    FlashInfer's own, {len(creation)} time(s) "
+        f"({kind.rpartition('.')[2]}), CUDA faked below it "
+        f"(tests/distributed/fake_cuda.py: {calls.get('cuMemCreate', 0)} "
+        f"cuMemCreate, {sum(calls.values())} calls on rank 0); kernel emulated"
+    )
+    return [line]
+
+
 def format_summary(result: dict[str, Any]) -> str:
     """The result for a person."""
     fi = result["flashinfer"] or {}
@@ -138,6 +156,7 @@ def format_summary(result: dict[str, Any]) -> str:
         ),
         f"  FlashInfer  {fi.get('release')} kernels ({fi.get('package')})",
         f"  devices     {where}, {result['nodes']} node(s)",
+        *creation_line(result["creation"]),
         (
             f"  replays     {result['iterations']} per rank in "
             f"{result['elapsed']:.0f}s; steps of {result['layers']} layers, two "
