@@ -36,6 +36,7 @@ HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 POLICY_MODULE = f"{MODULE}_policy"
 GROUP_MODULE = f"{MODULE}_group"
+# Where the bounded steps were before they joined the group module.
 CREATION_MODULE = f"{MODULE}_creation"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 CREATE_TIMEOUT_ENV = "VLLM_FLASHINFER_ALLREDUCE_CREATE_TIMEOUT_S"
@@ -565,6 +566,8 @@ class CollectiveCounter:
         self._depth = 0
 
     def install(self, patch: Any) -> None:
+        import importlib
+
         import torch.distributed as dist
 
         from vllm.distributed import parallel_state
@@ -572,13 +575,11 @@ class CollectiveCounter:
         for name in COLLECTIVES:
             patch.setattr(dist, name, self._counting(getattr(dist, name)))
         patch.setattr(dist, "new_group", self._making(dist.new_group))
-        if _has_module(CREATION_MODULE):
-            import importlib
-
-            creation = importlib.import_module(CREATION_MODULE)
-            # StoreComm's, or an earlier tree's Creation (the benchmark's).
-            comm = getattr(creation, "StoreComm", None) or creation.Creation
-            patch.setattr(comm, "_exchange", self._counting(comm._exchange))
+        # StoreComm's, or an earlier tree's Creation (the benchmark's).
+        for name in (GROUP_MODULE, CREATION_MODULE):
+            module = importlib.import_module(name) if _has_module(name) else None
+            if comm := getattr(module, "StoreComm", getattr(module, "Creation", 0)):
+                patch.setattr(comm, "_exchange", self._counting(comm._exchange))
         probe = parallel_state.in_the_same_node_as
         patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
 
@@ -910,7 +911,7 @@ def _install_cuda(
         return workspace
 
     patch.setattr(fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", recorded)
-    comm = importlib.import_module(CREATION_MODULE).StoreComm
+    comm = importlib.import_module(GROUP_MODULE).StoreComm
     round_trip, rounds = comm._round, [0]
     exit_at, (late_at, late_s) = case.get("comm_exit_at"), case.get("comm_late", (0, 0))
 
