@@ -575,11 +575,13 @@ class CollectiveCounter:
         for name in COLLECTIVES:
             patch.setattr(dist, name, self._counting(getattr(dist, name)))
         patch.setattr(dist, "new_group", self._making(dist.new_group))
-        # StoreComm's, or an earlier tree's Creation (the benchmark's).
+        # GroupComm's, or an earlier tree's StoreComm or Creation (the benchmark's).
         for name in (GROUP_MODULE, CREATION_MODULE):
             module = importlib.import_module(name) if _has_module(name) else None
-            if comm := getattr(module, "StoreComm", getattr(module, "Creation", 0)):
+            kinds = ("GroupComm", "StoreComm", "Creation")
+            if comm := next(filter(None, (getattr(module, k, 0) for k in kinds)), 0):
                 patch.setattr(comm, "_exchange", self._counting(comm._exchange))
+                break
         probe = parallel_state.in_the_same_node_as
         patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
 
@@ -911,7 +913,7 @@ def _install_cuda(
         return workspace
 
     patch.setattr(fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", recorded)
-    comm = importlib.import_module(GROUP_MODULE).StoreComm
+    comm = importlib.import_module(GROUP_MODULE).GroupComm
     round_trip, rounds = comm._round, [0]
     exit_at, (late_at, late_s) = case.get("comm_exit_at"), case.get("comm_late", (0, 0))
 

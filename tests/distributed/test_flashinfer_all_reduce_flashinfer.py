@@ -6,7 +6,7 @@ FlashInfer's create_allreduce_fusion_workspace, its workspaces, its handle
 exchange (file descriptors over its own sockets) and its checkpoints run as
 released, with only CUDA faked below them (fake_cuda.py), on real gloo
 groups: every path here makes FlashInfer's own comm-backend calls on the
-patch's StoreComm.
+patch's GroupComm.
 """
 
 import concurrent.futures

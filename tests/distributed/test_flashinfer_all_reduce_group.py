@@ -54,11 +54,16 @@ def _give_ups(r: dict[str, Any]) -> list[str]:
     return [m for m in r["messages"] if "every rank gave it up" in m]
 
 
-def test_the_gpu_is_read_from_the_platform(fi_ar, monkeypatch):
-    group = importlib.import_module(GROUP_MODULE)
-    assert group.device_capability() == 100
-    pin_gpu(monkeypatch, None)
-    assert group.device_capability() is None
+@pytest.mark.parametrize(("capability", "backend"), [(100, "mnnvl"), (None, None)])
+def test_the_gpu_is_read_from_the_platform(
+    fi_ar, cpu_group, monkeypatch, capability, backend
+):
+    """Across nodes `auto` needs Blackwell: the platform's capability decides."""
+    pin_gpu(monkeypatch, capability)
+    monkeypatch.setattr(
+        importlib.import_module(GROUP_MODULE), "_node_count", lambda g: 2
+    )
+    assert fi_ar._resolve_fi_ar_backend(cpu_group) == (backend, False)
 
 
 @pytest.mark.usefixtures("unfixed_kernels")

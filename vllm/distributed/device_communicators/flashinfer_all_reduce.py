@@ -28,9 +28,9 @@ from vllm.distributed.device_communicators.all_reduce_utils import (
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     created_on_every_rank,
     forget_failures,
+    group_comm,
     on_every_rank,
     resolve_fi_ar_backend,
-    store_comm,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
     node_count as _node_count,  # counted once per group: counting is collective
@@ -95,7 +95,7 @@ def _create_workspace(
     hidden_dim: int,
     dtype: torch.dtype,
     group: ProcessGroup,
-    creation: Any = None,  # its StoreComm, given by created_on_every_rank
+    creation: Any = None,  # its GroupComm, given by created_on_every_rank
 ):
     """Create a flashinfer allreduce workspace, returning None on failure."""
     comm_backend = creation or TorchDistBackend(group=group)
@@ -384,7 +384,7 @@ def checkpoint_restore_fi_ar_workspaces(
 ) -> None:
     for workspace in _fi_ar_workspaces_for_group(group):
         try:
-            on_every_rank(group, workspace.checkpoint_restore, store_comm(group))
+            on_every_rank(group, workspace.checkpoint_restore, group_comm(group))
         except NotImplementedError:
             if not skip_unsupported:
                 raise

@@ -48,139 +48,6 @@ FAILED, LATE = ("left", "failed"), ("left", "late")
 _DTYPE_KEYS = (None, *FI_AR_DTYPES)
 
 
-@dataclasses.dataclass
-class Agreement:
-    """What every rank of a group agreed on: a decision per workspace dtype
-    (None: not yet known), vLLM's node count, taken once as counting is
-    collective, and the decisions the group's rank 0 has logged."""
-
-    decisions: dict[str | None, FiArBackendDecision]
-    node_count: int
-    logged: set[FiArBackendDecision]
-
-
-# Held weakly, so that per-group state goes with its group.
-_groups = weakref.WeakKeyDictionary[ProcessGroup, Agreement]()
-
-
-def node_count(group: ProcessGroup) -> int:
-    return agreed(group).node_count
-
-
-def device_capability() -> int | None:
-    capability = current_platform.get_device_capability()
-    return None if capability is None else capability.to_int()
-
-
-def nvlink_fabric() -> bool:
-    """FlashInfer's own probe; one that fails counts as no fabric."""
-    try:
-        mnnvl = importlib.import_module("flashinfer.comm.mnnvl")
-        return bool(mnnvl.is_mnnvl_fabric_supported(torch.cuda.current_device()))
-    except Exception as e:
-        logger.warning_once("FlashInfer's NVLink fabric probe failed: %s", e)
-        return False
-
-
-def gather(group: ProcessGroup, mine: Any) -> list[Any]:
-    """One object from each rank of `group`, in rank order."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
-
-
-def group_ranks(group: ProcessGroup) -> tuple[int, ...]:
-    return tuple(dist.get_process_group_ranks(group))
-
-
-def _decide_every_dtype(inputs: FiArBackendInputs, **changes: Any) -> dict:
-    """A known issue may hit one dtype only."""
-    return {
-        key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key, **changes))
-        for key in _DTYPE_KEYS
-    }
-
-
-def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> Agreement:
-    """The group's agreement, reached on first use under `config` (the vLLM
-    config current then), in one round that also carries each rank's NVLink
-    fabric probe where mnnvl would span nodes. Ranks can see different inputs
-    (the variable set on one node only): disagreeing, they are off."""
-    if group in _groups:
-        return _groups[group]
-    # vLLM sets hisparse_config for a HiSparseConnector, also in a MultiConnector.
-    attention = None if config is None else config.attention_config
-    inputs = FiArBackendInputs(
-        setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
-        node_count=_node_count(group),
-        device_capability=device_capability(),
-        hisparse=None if attention is None else attention.hisparse_config is not None,
-        kernels=installed_kernels(),
-    )
-    decisions = _decide_every_dtype(inputs)
-    unknown = inputs.hisparse is None
-    if unknown and decisions != _decide_every_dtype(inputs, hisparse=False):
-        logger.warning_once(
-            "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
-            "on, the choice that cannot crash on these kernels."
-        )
-    choice = tuple((d.backend, d.allow_trtllm_fallback) for d in decisions.values())
-    probe = inputs.node_count > 1 and "mnnvl" in {d.backend for d in decisions.values()}
-    views = gather(group, (choice, nvlink_fabric() if probe else True))
-    ranks, logged = group_ranks(group), set()
-    if no_fabric := tuple(r for r, (_, ok) in zip(ranks, views, strict=True) if not ok):
-        decisions = _decide_every_dtype(inputs, no_fabric=no_fabric)
-    if len({view for view, _ in views}) > 1:
-        i = next(i for i in range(len(choice)) if len({v[i] for v, _ in views}) > 1)
-        if dist.get_rank(group) == 0:
-            logger.error(
-                "FlashInfer all-reduce is off for ranks %s: they chose different "
-                "backends%s (%s). Make these the same on every node: %s, the "
-                "HiSparse config, the GPU and the FlashInfer packages.",
-                ranks,
-                f" for {_DTYPE_KEYS[i]} workspaces" if i else "",
-                ", ".join(
-                    f"rank {rank}: {view[i][0] or 'off'}"
-                    + " (may fall back to trtllm)" * view[i][1]
-                    for rank, (view, _) in zip(ranks, views, strict=True)
-                ),
-                FI_AR_BACKEND_ENV,
-            )
-        off = FiArBackendDecision(None, False, "the ranks disagree")
-        decisions, logged = dict.fromkeys(_DTYPE_KEYS, off), {off}
-    _groups[group] = Agreement(decisions, inputs.node_count, logged)
-    return _groups[group]
-
-
-def decision(group: ProcessGroup, dtype: torch.dtype | None) -> FiArBackendDecision:
-    """The group's decision for a workspace of `dtype` (None: not yet known)."""
-    decisions = agreed(group).decisions
-    return decisions.get(str(dtype).removeprefix("torch."), decisions[None])
-
-
-def resolve_fi_ar_backend(
-    group: ProcessGroup, dtype: torch.dtype | None, config: VllmConfig | None
-) -> tuple[str | None, bool]:
-    """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for a
-    workspace of `dtype`. The group's own rank 0 logs it, whatever its local
-    rank (vLLM's *_once lines print on each node's local rank 0): the first
-    dtype's line, then one for each dtype that a known issue moves."""
-    state = agreed(group, config)
-    d = decision(group, dtype)
-    if d not in state.logged and dist.get_rank(group) == 0:
-        state.logged.add(d)
-        warn = d.known_issue is not None and d.known_issue.backend == d.backend
-        (logger.warning if warn else logger.info)(
-            "FlashInfer all-reduce backend for ranks %s: %s%s (%s)%s",
-            group_ranks(group),
-            f"{str(dtype).removeprefix('torch.')}: " * (d != state.decisions[None]),
-            d.backend or "off",
-            d.reason,
-            f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." * warn,
-        )
-    return d.backend, d.allow_trtllm_fallback
-
-
 def create_timeout_s() -> int:
     """Read as vllm.envs reads its variables: upstream's envs.py lacks it."""
     value = os.getenv(FI_AR_CREATE_TIMEOUT_ENV, str(FI_AR_CREATE_TIMEOUT_S))
@@ -193,20 +60,25 @@ class Stopped(Exception):
     """This rank left the step: a round held FAILED or LATE for a rank."""
 
 
-class StoreComm:
-    """FlashInfer's CommBackend for one group (as flashinfer-python 0.7.2.post1
-    and 0.7.4 call it), inside a step only. FlashInfer keeps it for
-    checkpoint_prepare's barrier, which on_every_rank runs as a step too."""
+class GroupComm:
+    """What a group's ranks share: the decision per workspace dtype (None: not
+    yet known) they agreed on, and FlashInfer's CommBackend over the group's
+    store (as flashinfer-python 0.7.2.post1 and 0.7.4 call it), inside a step
+    only. FlashInfer keeps it for checkpoint_prepare's barrier, which
+    on_every_rank runs as a step too."""
 
     def __init__(self, group: ProcessGroup):
-        self.ranks, self.rank = group_ranks(group), dist.get_rank(group)
-        self.steps = 0
-        self._store: Any = None
-        self._last_vote: Any = None
+        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.rank = dist.get_rank(group)
+        self.decisions: dict[str | None, FiArBackendDecision] = {}
+        self.node_count = 0  # vLLM's, taken once: counting is collective
+        self.logged: set[FiArBackendDecision] = set()  # by the group's rank 0
         # The backends every rank gave up: not tried again until destroyed.
         self.failed: set[str] = set()
+        self.steps, self.stopped = 0, False
         self.warnings: list[str] = []
-        self.stopped = False
+        self._store: Any = None
+        self._last_vote: Any = None
 
     def Get_rank(self) -> int:
         return self.rank
@@ -228,15 +100,13 @@ class StoreComm:
         self.warnings.append(msg % args)
 
     def _round(self, data: Any) -> list[Any]:
-        """One exchange; a rank found late gets LATE as its vote, so that
-        none waits for it."""
         if self._store is None or self.stopped:
             raise Stopped("outside a step, or after this rank left it")
         self._rounds += 1
         values = self._exchange(f"{self._rounds}/", ("ok", data), self._deadline)
         if left := [i for i, value in enumerate(values) if value[0] == "left"]:
             self.stopped = True
-            for i in left:
+            for i in left:  # a late rank's vote, so that none waits for it
                 if values[i] == LATE:
                     self._store.compare_set(f"vote/{i}", "", pickle.dumps(LATE))
             raise Stopped(f"{some_ranks(self.ranks[i] for i in left)} left the step")
@@ -289,6 +159,22 @@ class StoreComm:
         return result, *decide(self.ranks, votes, bound), raised
 
 
+# Held weakly, so that per-group state goes with its group.
+_comms = weakref.WeakKeyDictionary[ProcessGroup, GroupComm]()
+
+
+def group_comm(group: ProcessGroup) -> GroupComm:
+    if group not in _comms:
+        _comms[group] = GroupComm(group)
+    return _comms[group]
+
+
+def forget_failures() -> None:
+    """On destroy_fi_ar_workspace, as upstream resets its failed flags."""
+    for comm in _comms.values():
+        comm.failed.clear()
+
+
 def decide(ranks: tuple[int, ...], votes: list[tuple], bound: int) -> tuple[str, str]:
     """A rank that raised makes every rank raise; one that failed gives the
     backend up; one that did not answer, FlashInfer all-reduce (it may be dead).
@@ -306,27 +192,123 @@ def decide(ranks: tuple[int, ...], votes: list[tuple], bound: int) -> tuple[str,
     return "keep", ""
 
 
-_comms = weakref.WeakKeyDictionary[ProcessGroup, StoreComm]()
+def nvlink_fabric() -> bool:
+    """FlashInfer's own probe; one that fails counts as no fabric."""
+    try:
+        mnnvl = importlib.import_module("flashinfer.comm.mnnvl")
+        return bool(mnnvl.is_mnnvl_fabric_supported(torch.cuda.current_device()))
+    except Exception as e:
+        logger.warning_once("FlashInfer's NVLink fabric probe failed: %s", e)
+        return False
 
 
-def store_comm(group: ProcessGroup) -> StoreComm:
-    """The group's StoreComm: FlashInfer keeps the one it was created with."""
-    if group not in _comms:
-        _comms[group] = StoreComm(group)
-    return _comms[group]
+def gather(group: ProcessGroup, mine: Any) -> list[Any]:
+    """One object from each rank of `group`, in rank order."""
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
 
 
-def forget_failures() -> None:
-    """On destroy_fi_ar_workspace, as upstream resets its failed flags."""
-    for comm in _comms.values():
-        comm.failed.clear()
+def _decide_every_dtype(inputs: FiArBackendInputs, **changes: Any) -> dict:
+    """A known issue may hit one dtype only."""
+    return {
+        key: decide_fi_ar_backend(dataclasses.replace(inputs, dtype=key, **changes))
+        for key in _DTYPE_KEYS
+    }
+
+
+def agreed(group: ProcessGroup, config: VllmConfig | None = None) -> GroupComm:
+    """The group's agreement, reached on first use under `config` (the vLLM
+    config current then), in one round that also carries each rank's NVLink
+    fabric probe where mnnvl would span nodes. Ranks can see different inputs
+    (the variable set on one node only): disagreeing, they are off."""
+    comm = group_comm(group)
+    if comm.decisions:
+        return comm
+    # vLLM sets hisparse_config for a HiSparseConnector, also in a MultiConnector.
+    attention = None if config is None else config.attention_config
+    capability = current_platform.get_device_capability()
+    inputs = FiArBackendInputs(
+        setting=envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND,
+        node_count=_node_count(group),
+        device_capability=None if capability is None else capability.to_int(),
+        hisparse=None if attention is None else attention.hisparse_config is not None,
+        kernels=installed_kernels(),
+    )
+    decisions = _decide_every_dtype(inputs)
+    unknown = inputs.hisparse is None
+    if unknown and decisions != _decide_every_dtype(inputs, hisparse=False):
+        logger.warning_once(
+            "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
+            "on, the choice that cannot crash on these kernels."
+        )
+    choice = tuple((d.backend, d.allow_trtllm_fallback) for d in decisions.values())
+    probe = inputs.node_count > 1 and "mnnvl" in {d.backend for d in decisions.values()}
+    views = gather(group, (choice, nvlink_fabric() if probe else True))
+    ranks = comm.ranks
+    if no_fabric := tuple(r for r, (_, ok) in zip(ranks, views, strict=True) if not ok):
+        decisions = _decide_every_dtype(inputs, no_fabric=no_fabric)
+    if len({view for view, _ in views}) > 1:
+        i = next(i for i in range(len(choice)) if len({v[i] for v, _ in views}) > 1)
+        if comm.rank == 0:
+            logger.error(
+                "FlashInfer all-reduce is off for ranks %s: they chose different "
+                "backends%s (%s). Make these the same on every node: %s, the "
+                "HiSparse config, the GPU and the FlashInfer packages.",
+                ranks,
+                f" for {_DTYPE_KEYS[i]} workspaces" if i else "",
+                ", ".join(
+                    f"rank {rank}: {view[i][0] or 'off'}"
+                    + " (may fall back to trtllm)" * view[i][1]
+                    for rank, (view, _) in zip(ranks, views, strict=True)
+                ),
+                FI_AR_BACKEND_ENV,
+            )
+        off = FiArBackendDecision(None, False, "the ranks disagree")
+        decisions = dict.fromkeys(_DTYPE_KEYS, off)
+        comm.logged.add(off)
+    comm.decisions, comm.node_count = decisions, inputs.node_count
+    return comm
+
+
+def node_count(group: ProcessGroup) -> int:
+    return agreed(group).node_count
+
+
+def decision(group: ProcessGroup, dtype: torch.dtype | None) -> FiArBackendDecision:
+    """The group's decision for a workspace of `dtype` (None: not yet known)."""
+    decisions = agreed(group).decisions
+    return decisions.get(str(dtype).removeprefix("torch."), decisions[None])
+
+
+def resolve_fi_ar_backend(
+    group: ProcessGroup, dtype: torch.dtype | None, config: VllmConfig | None
+) -> tuple[str | None, bool]:
+    """The `(backend, allow_trtllm_fallback)` every rank of `group` uses for a
+    workspace of `dtype`. The group's own rank 0 logs it, whatever its local
+    rank (vLLM's *_once lines print on each node's local rank 0): the first
+    dtype's line, then one for each dtype that a known issue moves."""
+    comm = agreed(group, config)
+    d = decision(group, dtype)
+    if d not in comm.logged and comm.rank == 0:
+        comm.logged.add(d)
+        warn = d.known_issue is not None and d.known_issue.backend == d.backend
+        (logger.warning if warn else logger.info)(
+            "FlashInfer all-reduce backend for ranks %s: %s%s (%s)%s",
+            comm.ranks,
+            f"{str(dtype).removeprefix('torch.')}: " * (d != comm.decisions[None]),
+            d.backend or "off",
+            d.reason,
+            f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." * warn,
+        )
+    return d.backend, d.allow_trtllm_fallback
 
 
 def on_every_rank(group: ProcessGroup, step: Callable, *args: Any) -> Any:
     """A workspace's checkpoint_prepare or checkpoint_restore: every rank
     returns, or raises (its own exception where it raised one, such as
     upstream's NotImplementedError)."""
-    comm = store_comm(group)
+    comm = group_comm(group)
     result, action, why, raised = comm.run(group, step, *args)
     if action != "keep":
         what = f"FlashInfer all-reduce {step.__name__} for ranks {comm.ranks}"
@@ -346,44 +328,41 @@ def _load_kernels() -> str | None:
 
 
 def created_on_every_rank(registry: dict[int, Any]) -> Callable[[Callable], Callable]:
-    """Makes `create` (upstream's _create_workspace, given its StoreComm as
+    """Makes `create` (upstream's _create_workspace, given its GroupComm as
     `creation`) end the same way on every rank within FI_AR_CREATE_TIMEOUT_S
     (or its setting) plus VOTE_GRACE_S once trtllm's kernels load: all keep the
     workspace, give it up (out of `registry`, not tried again) or raise."""
+    return lambda create: functools.partial(_create_on_every_rank, registry, create)
 
-    def decorate(create: Callable) -> Callable:
-        @functools.wraps(create)
-        def create_on_every_rank(backend: str, *args: Any) -> Any:
-            dtype, group = args[-2:]
-            comm = store_comm(group)
-            if backend in comm.failed:
-                return None
-            workspace = raised = None
-            loads = gather(group, _load_kernels()) if backend == "trtllm" else []
-            if any(loads):
-                votes = [("failed", e) if e else ("ok", None) for e in loads]
-                action, why = decide(comm.ranks, votes, 0)
-                why = why.replace("failed on", "could not load kernels on", 1)
-            else:
-                run = comm.run(group, create, backend, *args, comm)
-                workspace, action, why, raised = run
-            if action == "keep":
-                return workspace
-            if workspace is not None:
-                del registry[id(workspace)]
-                workspace.destroy()
-            comm.failed.update(("mnnvl", "trtllm") if action == "group" else [backend])
-            what = f"FlashInfer {backend} all-reduce workspace for ranks {comm.ranks}"
-            if action == "raise":
-                raise RuntimeError(f"{what}: {why}") from raised
-            then = "FlashInfer all-reduce is off for these ranks"
-            fallback = decision(group, dtype).allow_trtllm_fallback
-            if backend == "mnnvl" and fallback and "trtllm" not in comm.failed:
-                then = "falls back to trtllm"
-            if comm.rank == 0:
-                logger.warning("%s: %s; every rank gave it up and %s.", what, why, then)
-            return None
 
-        return create_on_every_rank
-
-    return decorate
+def _create_on_every_rank(
+    registry: dict[int, Any], create: Callable, backend: str, *args: Any
+) -> Any:
+    dtype, group = args[-2:]
+    comm = group_comm(group)
+    if backend in comm.failed:
+        return None
+    workspace = raised = None
+    loads = gather(group, _load_kernels()) if backend == "trtllm" else []
+    if any(loads):
+        votes = [("failed", e) if e else ("ok", None) for e in loads]
+        action, why = decide(comm.ranks, votes, 0)
+        why = why.replace("failed on", "could not load kernels on", 1)
+    else:
+        workspace, action, why, raised = comm.run(group, create, backend, *args, comm)
+    if action == "keep":
+        return workspace
+    if workspace is not None:
+        del registry[id(workspace)]
+        workspace.destroy()
+    comm.failed.update(("mnnvl", "trtllm") if action == "group" else [backend])
+    what = f"FlashInfer {backend} all-reduce workspace for ranks {comm.ranks}"
+    if action == "raise":
+        raise RuntimeError(f"{what}: {why}") from raised
+    then = "FlashInfer all-reduce is off for these ranks"
+    fallback = decision(group, dtype).allow_trtllm_fallback
+    if backend == "mnnvl" and fallback and "trtllm" not in comm.failed:
+        then = "falls back to trtllm"
+    if comm.rank == 0:
+        logger.warning("%s: %s; every rank gave it up and %s.", what, why, then)
+    return None
