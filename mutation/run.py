@@ -7,7 +7,7 @@
 
 First the workers run each module's tests unmutated: they must pass, or
 every mutant would look killed. Then, for each module in
-mutation/cosmic-ray.toml (policy, group, replaced, explain):
+mutation/cosmic-ray.toml (backend, replaced, explain):
 write its session config, create the mutants, skip those outside
 the fix and the known equivalent ones (mutation/scope_filter.py), and run
 its tests against every mutant. Prints, per module, the mutants, killed, timed out and

@@ -137,7 +137,7 @@ def test_the_backend_choices_are_vllm_envs_own(monkeypatch):
     """FI_AR_BACKEND_CHOICES repeats what vllm/envs.py accepts for
     VLLM_FLASHINFER_ALLREDUCE_BACKEND; a release that changes it fails here."""
     import vllm.envs as envs
-    from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
+    from vllm.distributed.device_communicators.flashinfer_all_reduce_backend import (
         FI_AR_BACKEND_CHOICES,
     )
 

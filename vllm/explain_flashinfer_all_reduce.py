@@ -14,7 +14,7 @@ from typing import NoReturn
 from packaging.version import Version
 
 import vllm.envs as envs
-from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
+from vllm.distributed.device_communicators.flashinfer_all_reduce_backend import (
     FI_AR_BACKEND_CHOICES,
     FI_AR_DTYPES,
     FiArBackendInputs,

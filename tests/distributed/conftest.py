@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from fi_ar_utils import (
+    BACKEND_MODULE,
     ENV,
     MODULE,
-    POLICY_MODULE,
     UNFIXED,
     UNFIXED_FLASHINFER,
     FakeFlashInferDevice,
@@ -84,7 +84,7 @@ def fi_ar(monkeypatch):
 @pytest.fixture
 def policy():
     """The pure backend decision and its known-issue registry."""
-    return importlib.import_module(POLICY_MODULE)
+    return importlib.import_module(BACKEND_MODULE)
 
 
 @pytest.fixture

@@ -34,8 +34,8 @@ from unittest import mock
 
 HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
-POLICY_MODULE = f"{MODULE}_policy"
-GROUP_MODULE = f"{MODULE}_group"
+# The decision, the agreement and the bounded steps: the backend module.
+BACKEND_MODULE = f"{MODULE}_backend"
 # Where the bounded steps were before they joined the group module.
 CREATION_MODULE = f"{MODULE}_creation"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
@@ -192,7 +192,7 @@ def pin_gpu(
     # imported; a faked torch.cuda in an earlier test may have re-resolved it.
     import importlib
 
-    for name in (MODULE, GROUP_MODULE):
+    for name in (MODULE, BACKEND_MODULE):
         held = type(importlib.import_module(name).current_platform)
         if held is not type(current_platform):
             monkeypatch.setattr(
@@ -576,7 +576,7 @@ class CollectiveCounter:
             patch.setattr(dist, name, self._counting(getattr(dist, name)))
         patch.setattr(dist, "new_group", self._making(dist.new_group))
         # GroupComm's, or an earlier tree's StoreComm or Creation (the benchmark's).
-        for name in (GROUP_MODULE, CREATION_MODULE):
+        for name in (BACKEND_MODULE, CREATION_MODULE):
             module = importlib.import_module(name) if _has_module(name) else None
             kinds = ("GroupComm", "StoreComm", "Creation")
             if comm := next(filter(None, (getattr(module, k, 0) for k in kinds)), 0):
@@ -913,7 +913,7 @@ def _install_cuda(
         return workspace
 
     patch.setattr(fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", recorded)
-    comm = importlib.import_module(GROUP_MODULE).GroupComm
+    comm = importlib.import_module(BACKEND_MODULE).GroupComm
     round_trip, rounds = comm._round, [0]
     exit_at, (late_at, late_s) = case.get("comm_exit_at"), case.get("comm_late", (0, 0))
 

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import tree_imports
 from fi_ar_utils import (
+    BACKEND_MODULE,
     ENV,
-    GROUP_MODULE,
     UNFIXED,
     build_config,
     every_rank,
@@ -399,7 +399,7 @@ def test_workspace_failure_on_one_of_two_ranks_is_released_on_the_other(one_node
 def test_docs_give_the_creation_bound_and_its_line(fi_ar):
     """README and the troubleshooting give the bound the code has, and the
     line every rank logs when a creation fails."""
-    creation = importlib.import_module(GROUP_MODULE)
+    creation = importlib.import_module(BACKEND_MODULE)
     bound = f"{creation.FI_AR_CREATE_TIMEOUT_S} s"
     readme = (tree_imports.REPO_ROOT / "README.md").read_text()
     docs = (

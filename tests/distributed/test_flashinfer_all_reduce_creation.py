@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from fi_ar_utils import (
+    BACKEND_MODULE,
     ENV,
-    GROUP_MODULE,
     HIDDEN_DIM,
     MAX_TOKENS,
     creation_keys_left,
@@ -460,7 +460,7 @@ def test_the_kept_comm_backend_is_bounded_in_every_step(fi_ar, cpu_group):
     """FlashInfer keeps the comm backend for checkpoint_prepare's barrier: it
     runs inside a bounded step, and refuses outside one rather than wait on
     its own. A clean step leaves only its vote, until the next one."""
-    creation = importlib.import_module(GROUP_MODULE)
+    creation = importlib.import_module(BACKEND_MODULE)
     kept: list[Any] = []
 
     @creation.created_on_every_rank(registry={})
@@ -480,7 +480,7 @@ def test_the_kept_comm_backend_is_bounded_in_every_step(fi_ar, cpu_group):
 def test_the_comm_backend_answers_flashinfers_calls(fi_ar, cpu_group):
     """What FlashInfer's handle exchange calls: rank, size, allgather and
     bcast, each answered in the group's order."""
-    creation = importlib.import_module(GROUP_MODULE)
+    creation = importlib.import_module(BACKEND_MODULE)
     seen: list[Any] = []
 
     @creation.created_on_every_rank(registry={})
@@ -511,7 +511,7 @@ def test_upstreams_own_errors_propagate(fi_ar, fake_ws, cpu_group, monkeypatch):
 def test_the_bound_is_a_setting(monkeypatch):
     """Read as vllm.envs reads its variables: the default, a whole number of
     seconds, or a one-line error naming the variable."""
-    creation = importlib.import_module(GROUP_MODULE)
+    creation = importlib.import_module(BACKEND_MODULE)
     monkeypatch.delenv(creation.FI_AR_CREATE_TIMEOUT_ENV, raising=False)
     assert creation.create_timeout_s() == creation.FI_AR_CREATE_TIMEOUT_S == 300
     monkeypatch.setenv(creation.FI_AR_CREATE_TIMEOUT_ENV, "45")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import tree_imports
-from fi_ar_utils import ENV, GROUP_MODULE, workspace_args
+from fi_ar_utils import BACKEND_MODULE, ENV, workspace_args
 
 MODULE = "vllm.explain_flashinfer_all_reduce"
 OLD, FIXED = "0.7.2.post1", "0.7.4"
@@ -125,7 +125,7 @@ def test_explicit_trtllm_across_nodes_fails_with_vllms_own_words(
     [failure] = [line for line in lines if line.startswith("  start-up fails: ")]
     monkeypatch.setenv(ENV, "trtllm")
     monkeypatch.setattr(
-        importlib.import_module(GROUP_MODULE), "_node_count", lambda g: 2
+        importlib.import_module(BACKEND_MODULE), "_node_count", lambda g: 2
     )
     with pytest.raises(ValueError) as raised:
         fi_ar.get_fi_ar_workspace(**workspace_args(cpu_group))

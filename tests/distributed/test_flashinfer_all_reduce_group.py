@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 from fi_ar_utils import (
+    BACKEND_MODULE,
     ENV,
     FUSION_MAX_SIZE_MB,
-    GROUP_MODULE,
     HIDDEN_DIM,
     UNFIXED,
     every_rank,
@@ -61,7 +61,7 @@ def test_the_gpu_is_read_from_the_platform(
     """Across nodes `auto` needs Blackwell: the platform's capability decides."""
     pin_gpu(monkeypatch, capability)
     monkeypatch.setattr(
-        importlib.import_module(GROUP_MODULE), "_node_count", lambda g: 2
+        importlib.import_module(BACKEND_MODULE), "_node_count", lambda g: 2
     )
     assert fi_ar._resolve_fi_ar_backend(cpu_group) == (backend, False)
 
@@ -317,7 +317,7 @@ def test_auto_is_off_across_nodes_without_a_fabric_on_every_rank(two_nodes_of_tw
     [line] = _rank_0s(results)
     assert line == (
         "INFO FlashInfer all-reduce backend for ranks (0, 1, 2, 3): off (auto, "
-        "2 nodes on Blackwell: mnnvl is the only backend that spans nodes; but "
+        "2 nodes on Blackwell: only mnnvl spans nodes; but "
         "mnnvl needs an NVLink fabric across nodes, and FlashInfer's "
         "is_mnnvl_fabric_supported is false on rank 3, so FlashInfer all-reduce "
         "is off)"
@@ -435,8 +435,9 @@ def test_an_off_backend_is_not_resolved_on_every_call(fi_ar, cpu_group, monkeypa
     from fi_ar_utils import workspace_args
 
     pin_gpu(monkeypatch, 90)  # two Hopper nodes: auto has no backend
-    group_module = importlib.import_module(GROUP_MODULE)
-    monkeypatch.setattr(group_module, "_node_count", lambda group: 2)
+    monkeypatch.setattr(
+        importlib.import_module(BACKEND_MODULE), "_node_count", lambda group: 2
+    )
     resolved: list[Any] = []
     resolve = fi_ar._resolve_fi_ar_backend
     monkeypatch.setattr(

@@ -90,7 +90,7 @@ def pinned_flashinfer() -> Version:
 def test_the_base_still_needs_the_known_issue_workaround() -> None:
     """A base wheel that pins FlashInfer at or above every known issue's
     fixed_in retires the part of the patch that steers around them."""
-    from vllm.distributed.device_communicators.flashinfer_all_reduce_policy import (
+    from vllm.distributed.device_communicators.flashinfer_all_reduce_backend import (
         FI_AR_KNOWN_ISSUES,
     )
 

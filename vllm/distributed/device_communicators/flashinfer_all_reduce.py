@@ -25,14 +25,14 @@ from vllm.config.compilation import PassConfig
 from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
 )
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
+from vllm.distributed.device_communicators.flashinfer_all_reduce_backend import (
     created_on_every_rank,
     forget_failures,
     group_comm,
     on_every_rank,
     resolve_fi_ar_backend,
 )
-from vllm.distributed.device_communicators.flashinfer_all_reduce_group import (
+from vllm.distributed.device_communicators.flashinfer_all_reduce_backend import (
     node_count as _node_count,  # counted once per group: counting is collective
 )
 from vllm.logger import init_logger
