@@ -166,8 +166,7 @@ def test_the_reason_names_backend_issue_kernels_and_fix(
 def test_the_ranks_without_a_fabric_are_named(policy, no_fabric, named):
     inputs = _inputs(policy, node_count=2, no_fabric=no_fabric)
     assert policy.decide_fi_ar_backend(inputs).reason.endswith(
-        f"is_mnnvl_fabric_supported is false on {named}, so FlashInfer all-reduce "
-        "is off"
+        f"; but FlashInfer finds no NVLink fabric on {named}: off"
     )
 
 

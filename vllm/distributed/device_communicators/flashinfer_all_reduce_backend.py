@@ -1,13 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The FlashInfer all-reduce backend a workspace gets, as a pure function of its
-inputs (for start-up and explain alike; the FlashInfer bugs `auto` steers
-around are data), and what the ranks of a group must do alike, or hang: agree
-on it, once, in one round on vLLM's group; and run each collective step (a
-workspace's creation, checkpoint_prepare, checkpoint_restore) over the group's
-store under one deadline (gloo's waits 30 minutes), then vote. Keys are written
-once, first writer wins: every rank reads the same values, a late rank too. No
-process group is made: torch numbers them per process."""
+"""A workspace's FlashInfer all-reduce backend as a pure function of its inputs
+(the FlashInfer bugs `auto` steers around are data); the ranks of a group agree
+on it once, in one round on vLLM's group, and run each collective step (a
+creation, checkpoint_prepare, checkpoint_restore) over the group's store under
+one deadline (gloo's waits 30 minutes), then vote. Keys are written once, first
+writer wins: all read the same values, a late rank too. No process group is
+made: torch numbers them per process, so one more on some ranks hangs."""
 
 import dataclasses
 import functools
@@ -68,9 +67,8 @@ class FiArKnownIssue:
 
 
 FI_AR_KNOWN_ISSUES = (
-    # 0.7.2.post1's LamportFlags::ctaArrive() (include/flashinfer/comm/
-    # trtllm_mnnvl_allreduce.cuh) waits on one warp of one block only; in
-    # 0.7.4 every thread waits at the cluster barrier.
+    # include/flashinfer/comm/trtllm_mnnvl_allreduce.cuh, LamportFlags::ctaArrive():
+    # one warp of one block waits in 0.7.2.post1, every thread in 0.7.4.
     FiArKnownIssue(
         name="flashinfer#7782",
         backend="mnnvl",
@@ -79,18 +77,14 @@ FI_AR_KNOWN_ISSUES = (
         effect="crashes with HiSparse (CUDA error: unspecified launch failure)",
         fixed_in="0.7.4",
     ),
-    # oneshotAllreduceFusionKernel in include/flashinfer/comm/
-    # trtllm_mnnvl_allreduce.cuh squares in T in 0.7.2.post1 (lines
-    # 1009-1010: `toFloat<T>(x * x)`) and in fp32 in 0.7.4 (lines 1013-1016).
+    # The same file's oneshotAllreduceFusionKernel squares in T in 0.7.2.post1
+    # (lines 1009-1010: `toFloat<T>(x * x)`), in fp32 in 0.7.4 (lines 1013-1016).
     FiArKnownIssue(
         name="mnnvl fp16 RMSNorm overflow",
         backend="mnnvl",
         trigger="the workspace is float16",
         applies=lambda inputs: inputs.dtype == "float16",
-        effect=(
-            "zeroes every token with a value above 255.94 in its one-shot "
-            "fused RMSNorm (x * x overflows fp16)"
-        ),
+        effect="zeroes tokens above 255.94 in one-shot RMSNorm (x * x overflows fp16)",
         fixed_in="0.7.4",
     ),
 )
@@ -188,11 +182,8 @@ def decide_fi_ar_backend(
     # Across nodes mnnvl needs an NVLink fabric on every rank (vllm#51986).
     if backend == "mnnvl" and nodes > 1 and inputs.no_fabric:
         backend = None
-        reason += (
-            "; but mnnvl needs an NVLink fabric across nodes, and FlashInfer's "
-            f"is_mnnvl_fabric_supported is false on {some_ranks(inputs.no_fabric)}, "
-            "so FlashInfer all-reduce is off"
-        )
+        ranks = some_ranks(inputs.no_fabric)
+        reason += f"; but FlashInfer finds no NVLink fabric on {ranks}: off"
     return FiArBackendDecision(backend, allow_fallback, reason, issue)
 
 
@@ -223,11 +214,9 @@ class Stopped(Exception):
 
 
 class GroupComm:
-    """What a group's ranks share: the decision per workspace dtype (None: not
-    yet known) they agreed on, and FlashInfer's CommBackend over the group's
-    store (as flashinfer-python 0.7.2.post1 and 0.7.4 call it), inside a step
-    only. FlashInfer keeps it for checkpoint_prepare's barrier, which
-    on_every_rank runs as a step too."""
+    """A group's agreed decision per workspace dtype (None: not yet known), and
+    FlashInfer's CommBackend (as 0.7.2.post1 and 0.7.4 call it) inside a step
+    only: FlashInfer keeps it for checkpoint_prepare, run as a step too."""
 
     def __init__(self, group: ProcessGroup):
         self.ranks = tuple(dist.get_process_group_ranks(group))
@@ -235,8 +224,7 @@ class GroupComm:
         self.decisions: dict[str | None, FiArBackendDecision] = {}
         self.node_count = 0  # vLLM's, taken once: counting is collective
         self.logged: set[FiArBackendDecision] = set()  # by the group's rank 0
-        # The backends every rank gave up: not tried again until destroyed.
-        self.failed: set[str] = set()
+        self.failed: set[str] = set()  # given up by every rank, until destroyed
         self.steps, self.stopped = 0, False
         self.warnings: list[str] = []
         self._store: Any = None
@@ -339,8 +327,7 @@ def forget_failures() -> None:
 
 def decide(ranks: tuple[int, ...], votes: list[tuple], bound: int) -> tuple[str, str]:
     """A rank that raised makes every rank raise; one that failed gives the
-    backend up; one that did not answer, FlashInfer all-reduce (it may be dead).
-    A rank that stopped left for one of these."""
+    backend up; one that did not answer, FlashInfer all-reduce (it may be dead)."""
     for kind, action in (("raised", "raise"), ("failed", "backend")):
         errors: dict[str, list[int]] = {}
         for rank, (vote_kind, detail) in zip(ranks, votes, strict=True):
