@@ -126,14 +126,14 @@ def ours(name: str) -> Any:
 
 def counted_kernel_release() -> dict[str, str | None]:
     """The FlashInfer release whose all-reduce kernels run, as this build
-    counts it (the policy's `kernel_release` over `installed_kernels`)."""
-    policy = ours("_policy")
-    release, package = policy.kernel_release(policy.installed_kernels())
+    counts it (`kernel_release` over `installed_kernels`)."""
+    backend = ours("_backend")
+    release, package = backend.kernel_release(backend.installed_kernels())
     return {"release": None if release is None else str(release), "package": package}
 
 
 def known_issue(name: str) -> Any:
-    return next(i for i in ours("_policy").FI_AR_KNOWN_ISSUES if i.name == name)
+    return next(i for i in ours("_backend").FI_AR_KNOWN_ISSUES if i.name == name)
 
 
 class Rank:
@@ -215,7 +215,7 @@ class Rank:
             "info",
             decided_backend=self.decided_backend,
             kernel=kernel,
-            nodes=ours("_group").agreed(self.tp_group.cpu_group).node_count,
+            nodes=ours("_backend").agreed(self.tp_group.cpu_group).node_count,
             platform=self.gpu.describe(self.device) if self.gpu else {},
             lines=list(self.lines.lines),
         )
