@@ -74,8 +74,11 @@ def _fusion_max_size(capability: int, tp: int) -> float | None:
 
 def _startup_error() -> str:
     """What get_fi_ar_workspace raises for trtllm across nodes, its words."""
-    name = "get_fi_ar_workspace"
-    fn = next(n for n in ast.walk(_source(RUNTIME)) if getattr(n, "name", 0) == name)
+    fn = next(
+        node
+        for node in ast.walk(_source(RUNTIME))
+        if isinstance(node, ast.FunctionDef) and node.name == "get_fi_ar_workspace"
+    )
     error = next(node.exc for node in ast.walk(fn) if isinstance(node, ast.Raise))
     assert isinstance(error, ast.Call)
     return f"{ast.unparse(error.func)}: {ast.literal_eval(error.args[0])}"
@@ -93,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     version = args.flashinfer_version
     kernels = (("flashinfer-python", str(version)),) if version else installed_kernels()
-    # As start-up builds them: setting, nodes, capability, HiSparse, kernels, dtype.
     inputs = FiArBackendInputs(
-        setting, args.nnodes, args.capability, args.hisparse, kernels, args.dtype
+        setting=setting,
+        node_count=args.nnodes,
+        device_capability=args.capability,
+        hisparse=args.hisparse,
+        kernels=kernels,
+        dtype=args.dtype,
     )
     decision = decide_fi_ar_backend(inputs)
     backend, why, issue = decision.backend, decision.reason, decision.known_issue

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
 # The decision, the agreement and the bounded steps: the backend module.
 BACKEND_MODULE = f"{MODULE}_backend"
-# Where the bounded steps were before they joined the group module.
+# Where the bounded steps were before they joined the backend module.
 CREATION_MODULE = f"{MODULE}_creation"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
 CREATE_TIMEOUT_ENV = "VLLM_FLASHINFER_ALLREDUCE_CREATE_TIMEOUT_S"
@@ -576,10 +576,13 @@ class CollectiveCounter:
             patch.setattr(dist, name, self._counting(getattr(dist, name)))
         patch.setattr(dist, "new_group", self._making(dist.new_group))
         # GroupComm's, or an earlier tree's StoreComm or Creation (the benchmark's).
-        for name in (BACKEND_MODULE, CREATION_MODULE):
+        for name, kind in (
+            (BACKEND_MODULE, "GroupComm"),
+            (CREATION_MODULE, "StoreComm"),
+            (CREATION_MODULE, "Creation"),
+        ):
             module = importlib.import_module(name) if _has_module(name) else None
-            kinds = ("GroupComm", "StoreComm", "Creation")
-            if comm := next(filter(None, (getattr(module, k, 0) for k in kinds)), 0):
+            if (comm := getattr(module, kind, None)) is not None:
                 patch.setattr(comm, "_exchange", self._counting(comm._exchange))
                 break
         probe = parallel_state.in_the_same_node_as
