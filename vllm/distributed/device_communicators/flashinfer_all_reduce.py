@@ -26,9 +26,9 @@ from vllm.distributed.device_communicators.all_reduce_utils import (
     FI_MNNVL_ALLREDUCE_MAX_SIZE_MB,
 )
 from vllm.distributed.device_communicators.flashinfer_all_reduce_backend import (
+    agreed,
     created_on_every_rank,
     forget_failures,
-    group_comm,
     on_every_rank,
     resolve_fi_ar_backend,
 )
@@ -50,7 +50,7 @@ fi_ar_available = False
 try:
     import flashinfer.comm as flashinfer_comm  # type: ignore[no-redef]
     from flashinfer.comm.mnnvl import (
-        TorchDistBackend,  # type: ignore[import-not-found, no-redef]
+        TorchDistBackend,  # type: ignore[import-not-found, no-redef]  # noqa: F401
     )
 
     fi_ar_available = hasattr(flashinfer_comm, "allreduce_fusion")
@@ -95,10 +95,10 @@ def _create_workspace(
     hidden_dim: int,
     dtype: torch.dtype,
     group: ProcessGroup,
-    creation: Any = None,  # its GroupComm, given by created_on_every_rank
+    creation: Any = None,  # the group's FiArGroup, given by created_on_every_rank
 ):
     """Create a flashinfer allreduce workspace, returning None on failure."""
-    comm_backend = creation or TorchDistBackend(group=group)
+    comm_backend = creation
     rng_state = random.getstate()
     try:
         random.seed(int.from_bytes(os.urandom(16), byteorder="big"))
@@ -384,7 +384,7 @@ def checkpoint_restore_fi_ar_workspaces(
 ) -> None:
     for workspace in _fi_ar_workspaces_for_group(group):
         try:
-            on_every_rank(group, workspace.checkpoint_restore, group_comm(group))
+            on_every_rank(group, workspace.checkpoint_restore, agreed(group))
         except NotImplementedError:
             if not skip_unsupported:
                 raise
@@ -451,25 +451,20 @@ class FlashInferAllReduce:
         self.max_num_tokens = 0
         self.disabled = False
 
-    def _size_workspace(self, hidden_dim: int, dtype: torch.dtype, created=None):
-        """As __init__, for the backend a `dtype` workspace gets, or `created`."""
-        self.resolved_backend = created or _resolve_fi_ar_backend(self.group, dtype)
-        max_size_mb = PassConfig.default_fi_allreduce_fusion_max_size_mb()
-        untuned_size = int(max_size_mb[self.world_size] * MiB)
-        if self.resolved_backend[0] == "trtllm":
-            self.max_workspace_size = untuned_size
-        row_size = hidden_dim * dtype.itemsize
-        self.max_num_tokens = self.max_workspace_size // row_size
-        self.create_num_tokens = min(untuned_size, self.max_workspace_size) // row_size
-
     def _ensure_workspace(self, hidden_dim: int, dtype: torch.dtype) -> bool:
         """Ensure the all reduce workspace is initialized."""
+        row_size = hidden_dim * dtype.itemsize
         if self.max_num_tokens == 0:
-            self._size_workspace(hidden_dim, dtype)
+            self.resolved_backend = _resolve_fi_ar_backend(self.group, dtype)
+            self.max_num_tokens = self.max_workspace_size // row_size
+        max_size_mb = PassConfig.default_fi_allreduce_fusion_max_size_mb()
         workspace = get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
-            max_token_num=self.create_num_tokens,
+            # mnnvl's tuned size is not trtllm's, which it may fall back to.
+            max_token_num=min(
+                self.max_num_tokens, int(max_size_mb[self.world_size] * MiB) // row_size
+            ),
             hidden_dim=hidden_dim,
             dtype=dtype,
             group=self.group,
@@ -478,8 +473,8 @@ class FlashInferAllReduce:
         if workspace is None:
             self.disabled = True
             return False
-        if workspace.backend != self.resolved_backend[0]:  # the trtllm fallback
-            self._size_workspace(hidden_dim, dtype, (workspace.backend, False))
+        if workspace.backend == "trtllm":  # its own bound, whoever created it
+            self.max_num_tokens = workspace.metadata["max_token_num"]
         return True
 
     def should_use_fi_ar(self, input_tensor: torch.Tensor) -> bool:

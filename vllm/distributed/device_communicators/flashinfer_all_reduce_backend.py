@@ -1,19 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A workspace's FlashInfer all-reduce backend as a pure function of its inputs
-(the FlashInfer bugs `auto` steers around are data); the ranks of a group agree
-on it once, in one round on vLLM's group, and run each collective step (a
-creation, checkpoint_prepare, checkpoint_restore) over the group's store under
-one deadline (gloo's waits 30 minutes), then vote. Keys are written once, first
-writer wins: all read the same values, a late rank too. No process group is
-made: torch numbers them per process, so one more on some ranks hangs."""
+"""FlashInfer all-reduce: the backend a workspace gets, and its collective steps.
 
+The backend is a pure function of its inputs, the FlashInfer bugs `auto` steers
+around being data. The ranks of a group agree on it once, in one gather on
+vLLM's group. Each collective step (a creation, checkpoint_prepare or
+checkpoint_restore) runs over the group's store, bounded as vLLM bounds its CPU
+groups, and ends in a vote that every rank maps to the same outcome. No process
+group is made: torch numbers them per process.
+"""
+
+import contextlib
 import dataclasses
+import enum
 import functools
 import importlib
-import os
+import inspect
 import pickle
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -36,7 +41,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 FI_AR_BACKEND_ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
-FI_AR_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 # The dtypes FlashInferAllReduce.should_use_fi_ar accepts.
 FI_AR_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -192,43 +196,208 @@ def some_ranks(ranks: Iterable[int]) -> str:
     return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
 
 
-FI_AR_CREATE_TIMEOUT_S = 300
-FI_AR_CREATE_TIMEOUT_ENV = "VLLM_FLASHINFER_ALLREDUCE_CREATE_TIMEOUT_S"
-# How much longer the vote waits than the rounds: ranks start apart.
-VOTE_GRACE_S = 5
-# What a round holds for a rank that left it, written by itself or by another.
-FAILED, LATE = ("left", "failed"), ("left", "late")
-_DTYPE_KEYS = (None, *FI_AR_DTYPES)
+class Vote(enum.Enum):
+    """How a rank ended a step. ABSENT is written for it by a peer."""
+
+    DONE = "completed it"
+    FAILED = "failed"
+    RAISED = "raised"
+    LEFT = "stopped exchanging"
+    ABSENT = "did not answer"
 
 
-def create_timeout_s() -> int:
-    """Read as vllm.envs reads its variables: upstream's envs.py lacks it."""
-    value = os.getenv(FI_AR_CREATE_TIMEOUT_ENV, str(FI_AR_CREATE_TIMEOUT_S))
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    raise ValueError(f"{FI_AR_CREATE_TIMEOUT_ENV}={value!r}: not a number of seconds")
+class Outcome(enum.Enum):
+    KEEP = "kept"
+    GIVE_UP = "gave the backend up"
+    OFF = "turned FlashInfer all-reduce off"
+    RAISE = "raised"
 
 
-class Stopped(Exception):
-    """This rank left the step: a round held FAILED or LATE for a rank."""
+@dataclasses.dataclass(frozen=True)
+class Ballot:
+    vote: Vote
+    step: str = ""
+    """What the rank ran: the kind of step, backend, dtype and size."""
+    detail: str = ""
+    rounds: int = 0
+    """The exchanges it wrote, so that the last rank out deletes them all."""
 
 
-class GroupComm:
-    """A group's agreed decision per workspace dtype (None: not yet known), and
-    FlashInfer's CommBackend (as 0.7.2.post1 and 0.7.4 call it) inside a step
-    only: FlashInfer keeps it for checkpoint_prepare, run as a step too."""
+def outcome(ranks: Iterable[int], ballots: list[Ballot]) -> tuple[Outcome, str]:
+    """The one map from a step's ballots to its outcome: KEEP only where every
+    rank completed the same step."""
+    by_rank = list(zip(ranks, ballots, strict=True))
+    if absent := [r for r, b in by_rank if b.vote is Vote.ABSENT]:
+        return Outcome.OFF, f"{some_ranks(absent)} did not answer within the bound"
+    if len({b.step for _, b in by_rank}) > 1:
+        ran = ", ".join(f"rank {r} {b.step}" for r, b in by_rank)
+        return Outcome.OFF, f"the ranks ran different steps ({ran})"
+    for vote, result in ((Vote.RAISED, Outcome.RAISE), (Vote.FAILED, Outcome.GIVE_UP)):
+        if hit := [f"rank {r}: {b.detail}" for r, b in by_rank if b.vote is vote]:
+            return result, f"{vote.value} on " + "; ".join(hit)
+    if left := [r for r, b in by_rank if b.vote is Vote.LEFT]:
+        return Outcome.OFF, f"{some_ranks(left)} stopped exchanging before the rest"
+    return Outcome.KEEP, ""
 
-    def __init__(self, group: ProcessGroup):
+
+class Left(Exception):
+    """This rank stopped exchanging: a peer ended the step, or the bound passed."""
+
+
+SLOT = "step"  # the nonce of the step being joined, freed once all have joined
+END = "end"  # written in place of a rank's next exchange when it ends the step
+SLICE_S = 1.0  # the longest that one wait holds the store from its other users
+GRACE_S = 0.5  # after the bound, for the ballots of ranks that left at it
+
+
+class Step:
+    """One collective step of `size` ranks over `store`: join, exchanges, ballot.
+    Each key is written once, first writer wins, under the step's own nonce;
+    the last rank out deletes them, so a rank that comes back after the bound
+    writes only where no one reads."""
+
+    def __init__(
+        self,
+        store: Any,
+        ranks: tuple[int, ...],
+        rank: int,
+        what: str,
+        bound_s: float,
+        last: str = "",
+    ):
+        self.store, self.ranks, self.size, self.rank = store, ranks, len(ranks), rank
+        self.what, self.bound_s, self.nonce = what, bound_s, last
+        self.deadline = time.time() + bound_s  # for joining; then for the step
+        self.rounds, self.failures, self.left = 0, list[str](), ""
+
+    def _keys(self, name: str) -> list[str]:
+        return [f"{self.nonce}/{name}/{i}" for i in range(self.size)]
+
+    def _put(self, key: str, value: Any) -> Any:
+        """What stands at `key` once this rank offered `value` there."""
+        got = pickle.loads(self.store.compare_set(key, "", pickle.dumps(value)))
+        late = time.time() > self.deadline + GRACE_S
+        if late and got == value and not self.store.check([f"{self.nonce}/n"]):
+            self.store.delete_key(key)  # the step is gone: no one reads this
+            raise Left("this rank came back after the step ended")
+        return got
+
+    def _wait(self, keys: list[str], until: float) -> bool:
+        """Whether all `keys` are set by `until`, waiting a slice at a time."""
+        while not self.store.check(keys):
+            left_s = until - time.time()
+            if left_s <= 0.001:  # torch reads a wait of 0 ms as its default
+                return False
+            with contextlib.suppress(RuntimeError):  # a timeout, on every torch store
+                self.store.wait(keys, timedelta(seconds=min(left_s, SLICE_S)))
+        return True
+
+    def _get(self, keys: list[str]) -> list[Any]:
+        return [pickle.loads(value) for value in self.store.multi_get(keys)]
+
+    def exchange(self, data: Any) -> list[Any]:
+        """One allgather, for FlashInfer's comm backend. Once this rank has
+        left, FlashInfer's own exception handling cannot make it exchange."""
+        if not self.left:
+            self.rounds += 1
+            keys = self._keys(f"r{self.rounds}")
+            self._put(keys[self.rank], data)
+            if not self._wait(keys, self.deadline):
+                self.left = f"exchange {self.rounds} reached the bound"
+            elif END in (values := self._get(keys)):
+                self.left = f"a peer ended the step before exchange {self.rounds}"
+            else:
+                return values
+        raise Left(self.left)
+
+    def run(self, body: Callable[[], Any]) -> tuple[Outcome, str, Any, Any]:
+        """`body()` on every rank, then the vote: the outcome, why, this rank's
+        result and the exception it raised."""
+        result = raised = None
+        try:
+            joined = self._join()
+        except Left as e:  # it came back after the bound, to a step gone
+            return Outcome.OFF, str(e), None, None
+        mine = Ballot(Vote.DONE if joined else Vote.LEFT, self.what)
+        try:
+            result = body() if joined else None
+        except Exception as e:
+            raised = e
+            mine = Ballot(Vote.RAISED, self.what, f"{type(e).__name__}: {e}")
+        if self.left:  # whatever FlashInfer made of the Left it raised
+            mine, raised = Ballot(Vote.LEFT, self.what, self.left), None
+        elif self.failures and not raised:
+            mine = Ballot(Vote.FAILED, self.what, " ".join(self.failures))
+        mine = dataclasses.replace(mine, rounds=self.rounds)
+        return (*self._vote(mine), result, raised)
+
+    def _join(self) -> bool:
+        """Whether every rank joined this same step within the bound."""
+        last, fresh = self.nonce, uuid.uuid4().hex
+        self.nonce = self.store.compare_set(SLOT, "", fresh).decode()
+        if self.nonce == last:  # a step this rank left, not all joined: never again
+            self.store.delete_key(SLOT)
+            self.nonce = self.store.compare_set(SLOT, "", fresh).decode()
+        joins = self._keys("j")
+        self._put(joins[self.rank], (self.what, time.time()))
+        if self.store.add(f"{self.nonce}/n", 1) == self.size:
+            self.store.delete_key(SLOT)
+        if not self._wait(joins, self.deadline):
+            return False
+        seen = self._get(joins)
+        self.deadline = max(t for _, t in seen) + self.bound_s
+        return all(what == self.what for what, _ in seen)
+
+    def _vote(self, mine: Ballot) -> tuple[Outcome, str]:
+        ballots = self._keys("v")
+        try:
+            self._put(self._keys(f"r{self.rounds + 1}")[self.rank], END)
+            ours = [self.rank] if self._put(ballots[self.rank], mine) == mine else []
+        except Left:
+            return Outcome.OFF, "this rank did not answer within the bound"
+        self._wait(ballots, self.deadline + GRACE_S)
+        for i, key in enumerate(ballots):
+            absent = Ballot(Vote.ABSENT)
+            if not self.store.check([key]) and self._put(key, absent) == absent:
+                ours.append(i)
+        votes = self._get(ballots)
+        if ours and self.store.add(f"{self.nonce}/left", len(ours)) == self.size:
+            self._delete(max(b.rounds for b in votes) + 1)
+        return outcome(self.ranks, votes)
+
+    def _delete(self, rounds: int) -> None:
+        if self.store.compare_set(SLOT, self.nonce, self.nonce) == self.nonce.encode():
+            self.store.delete_key(SLOT)
+        for name in ("n", "left"):
+            self.store.delete_key(f"{self.nonce}/{name}")
+        for name in ("j", "v", *(f"r{r}" for r in range(1, rounds + 1))):
+            for key in self._keys(name):
+                self.store.delete_key(key)
+
+
+class FiArGroup:
+    """A group's agreed decision per workspace dtype, the backends its ranks gave
+    up until destroy, and FlashInfer's comm backend: FlashInfer keeps it for
+    its checkpoints, which run as steps too."""
+
+    def __init__(self, group: ProcessGroup, decisions: dict, nodes: int, bound: float):
+        self.group, self.decisions, self.node_count = group, decisions, nodes
         self.ranks = tuple(dist.get_process_group_ranks(group))
-        self.rank = dist.get_rank(group)
-        self.decisions: dict[str | None, FiArBackendDecision] = {}
-        self.node_count = 0  # vLLM's, taken once: counting is collective
+        self.rank, self.bound_s = dist.get_rank(group), bound
         self.logged: set[FiArBackendDecision] = set()  # by the group's rank 0
-        self.failed: set[str] = set()  # given up by every rank, until destroyed
-        self.steps, self.stopped = 0, False
-        self.warnings: list[str] = []
-        self._store: Any = None
-        self._last_vote: Any = None
+        self.failed: set[str] = set()
+        self.step: Step | None = None
+        self.last_nonce = ""
+
+    def run(self, what: str, body: Callable[[], Any]) -> tuple[Outcome, str, Any, Any]:
+        store = dist.PrefixStore("vllm-fi-ar", self.group.get_group_store())
+        self.step = Step(
+            store, self.ranks, self.rank, what, self.bound_s, self.last_nonce
+        )
+        try:
+            return self.step.run(body)
+        finally:
+            self.last_nonce, self.step = self.step.nonce, None
 
     def Get_rank(self) -> int:
         return self.rank
@@ -237,108 +406,24 @@ class GroupComm:
         return len(self.ranks)
 
     def allgather(self, data: Any) -> tuple[Any, ...]:
-        return tuple(self._round(data))
+        if self.step is None:
+            raise RuntimeError("FlashInfer all-reduce exchanged outside a step")
+        return tuple(self.step.exchange(data))
 
     def bcast(self, data: Any, root: int) -> Any:
-        return self._round(data)[root]
+        return self.allgather(data)[root]
 
     def barrier(self) -> None:
-        self._round(None)
+        self.allgather(None)
 
     def warning(self, msg: str, *args: Any) -> None:
-        """Upstream's warning that its creation failed here: into the vote."""
-        self.warnings.append(msg % args)
-
-    def _round(self, data: Any) -> list[Any]:
-        if self._store is None or self.stopped:
-            raise Stopped("outside a step, or after this rank left it")
-        self._rounds += 1
-        values = self._exchange(f"{self._rounds}/", ("ok", data), self._deadline)
-        if left := [i for i, value in enumerate(values) if value[0] == "left"]:
-            self.stopped = True
-            for i in left:  # a late rank's vote, so that none waits for it
-                if values[i] == LATE:
-                    self._store.compare_set(f"vote/{i}", "", pickle.dumps(LATE))
-            raise Stopped(f"{some_ranks(self.ranks[i] for i in left)} left the step")
-        return [data for _, data in values]
-
-    def _exchange(self, prefix: str, mine: Any, deadline: float) -> list[Any]:
-        keys = [f"{prefix}{i}" for i in range(len(self.ranks))]
-        self._store.compare_set(keys[self.rank], "", pickle.dumps(mine))
-        try:
-            wait_s = max(deadline - time.monotonic(), 0.001)
-            self._store.wait(keys, timedelta(seconds=wait_s))
-        except dist.DistStoreError:  # the deadline: the ranks missing are late
-            for key in keys:
-                self._store.compare_set(key, "", pickle.dumps(LATE))
-        return [pickle.loads(value) for value in self._store.multi_get(keys)]
-
-    def run(self, group: ProcessGroup, step: Callable, *args: Any) -> tuple:
-        """`step(*args)`, then the vote: this rank's result, the group's
-        decision and why (see decide), and this rank's exception."""
-        self.steps += 1
-        key = f"vllm-fi-ar/{self.steps}/"
-        self._store = dist.PrefixStore(key, group.get_group_store())
-        bound = create_timeout_s()
-        self._rounds, self._deadline = 0, time.monotonic() + bound
-        self.warnings, self.stopped, result, raised = [], False, None, None
-        try:
-            result = step(*args)
-        except Exception as e:
-            raised = e
-        mine: tuple = ("ok", None)
-        if self.stopped:
-            mine, raised = ("stopped", None), None
-        elif raised is not None:
-            mine = ("raised", f"{type(raised).__name__}: {raised}")
-        elif self.warnings:
-            mine = ("failed", " ".join(self.warnings))
-        if mine[0] != "ok":  # release the ranks waiting for this one
-            left = pickle.dumps(FAILED)
-            self._store.compare_set(f"{self._rounds + 1}/{self.rank}", "", left)
-        store, deadline = self._store, self._deadline + VOTE_GRACE_S
-        votes, self._store = self._exchange("vote/", mine, deadline), None
-        if all(vote == ("ok", None) for vote in votes):
-            # Every rank voted: none reads this step's rounds again, nor the
-            # last step's vote, which a late rank would have read.
-            for r in range(1, self._rounds + 1):
-                store.delete_key(f"{r}/{self.rank}")
-            if self._last_vote is not None:
-                self._last_vote.delete_key(f"vote/{self.rank}")
-        self._last_vote = store
-        return result, *decide(self.ranks, votes, bound), raised
+        """Upstream's warning that its creation failed here: into the ballot."""
+        assert self.step is not None
+        self.step.failures.append(msg % args)
 
 
-# Held weakly, so that per-group state goes with its group.
-_comms = weakref.WeakKeyDictionary[ProcessGroup, GroupComm]()
-
-
-def group_comm(group: ProcessGroup) -> GroupComm:
-    if group not in _comms:
-        _comms[group] = GroupComm(group)
-    return _comms[group]
-
-
-def forget_failures() -> None:
-    """On destroy_fi_ar_workspace, as upstream resets its failed flags."""
-    for comm in _comms.values():
-        comm.failed.clear()
-
-
-def decide(ranks: tuple[int, ...], votes: list[tuple], bound: int) -> tuple[str, str]:
-    """A rank that raised makes every rank raise; one that failed gives the
-    backend up; one that did not answer, FlashInfer all-reduce (it may be dead)."""
-    for kind, action in (("raised", "raise"), ("failed", "backend")):
-        errors: dict[str, list[int]] = {}
-        for rank, (vote_kind, detail) in zip(ranks, votes, strict=True):
-            if vote_kind == kind:
-                errors.setdefault(detail, []).append(rank)
-        if errors:
-            failed = ", ".join(f"{some_ranks(r)} ({e})" for e, r in errors.items())
-            return action, f"{kind} on {failed}"
-    if late := [rank for rank, vote in zip(ranks, votes, strict=True) if vote == LATE]:
-        return "group", f"{some_ranks(late)} did not answer within {bound} s"
-    return "keep", ""
+_groups = weakref.WeakKeyDictionary[ProcessGroup, FiArGroup]()
+_DTYPE_KEYS = (None, *FI_AR_DTYPES)
 
 
 def nvlink_fabric() -> bool:
@@ -351,13 +436,6 @@ def nvlink_fabric() -> bool:
         return False
 
 
-def gather(group: ProcessGroup, mine: Any) -> list[Any]:
-    """One object from each rank of `group`, in rank order."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
-
-
 def _decide_every_dtype(inputs: FiArBackendInputs, **changes: Any) -> dict:
     """A known issue may hit one dtype only."""
     return {
@@ -366,14 +444,13 @@ def _decide_every_dtype(inputs: FiArBackendInputs, **changes: Any) -> dict:
     }
 
 
-def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> GroupComm:
+def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> FiArGroup:
     """The group's agreement, reached on first use under `config` (the vLLM
-    config current then), in one round that also carries each rank's NVLink
-    fabric probe where mnnvl would span nodes. Ranks can see different inputs
-    (the variable set on one node only): disagreeing, they are off."""
-    comm = group_comm(group)
-    if comm.decisions:
-        return comm
+    config current then) in one gather that also carries each rank's NVLink
+    fabric probe where mnnvl would span nodes. Ranks that see different inputs
+    (a variable set on one node only) are off."""
+    if group in _groups:
+        return _groups[group]
     # vLLM sets hisparse_config for a HiSparseConnector, also in a MultiConnector.
     attention = None if config is None else config.attention_config
     capability = current_platform.get_device_capability()
@@ -385,43 +462,41 @@ def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> GroupComm
         kernels=installed_kernels(),
     )
     decisions = _decide_every_dtype(inputs)
-    unknown = inputs.hisparse is None
-    if unknown and decisions != _decide_every_dtype(inputs, hisparse=False):
+    if inputs.hisparse is None and decisions != _decide_every_dtype(
+        inputs, hisparse=False
+    ):
         logger.warning_once(
             "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
             "on, the choice that cannot crash on these kernels."
         )
     choice = tuple((d.backend, d.allow_trtllm_fallback) for d in decisions.values())
     probe = inputs.node_count > 1 and "mnnvl" in {d.backend for d in decisions.values()}
-    views = gather(group, (choice, nvlink_fabric() if probe else True))
-    ranks = comm.ranks
+    views: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(views, (choice, nvlink_fabric() if probe else True), group)
+    ranks = dist.get_process_group_ranks(group)
     if no_fabric := tuple(r for r, (_, ok) in zip(ranks, views, strict=True) if not ok):
         decisions = _decide_every_dtype(inputs, no_fabric=no_fabric)
     if len({view for view, _ in views}) > 1:
-        i = next(i for i in range(len(choice)) if len({v[i] for v, _ in views}) > 1)
-        if comm.rank == 0:
+        if dist.get_rank(group) == 0:
             logger.error(
                 "FlashInfer all-reduce is off for ranks %s: they chose different "
-                "backends%s (%s). Make these the same on every node: %s, the "
+                "backends (%s). Make these the same on every node: %s, the "
                 "HiSparse config, the GPU and the FlashInfer packages.",
                 ranks,
-                f" for {_DTYPE_KEYS[i]} workspaces" if i else "",
                 ", ".join(
-                    f"rank {rank}: {view[i][0] or 'off'}"
-                    + " (may fall back to trtllm)" * view[i][1]
-                    for rank, (view, _) in zip(ranks, views, strict=True)
+                    f"rank {r}: {v[0][0] or 'off'}"
+                    for r, v in zip(ranks, views, strict=True)
                 ),
                 FI_AR_BACKEND_ENV,
             )
-        off = FiArBackendDecision(None, False, "the ranks disagree")
-        decisions = dict.fromkeys(_DTYPE_KEYS, off)
-        comm.logged.add(off)
-    comm.decisions, comm.node_count = decisions, inputs.node_count
-    return comm
-
-
-def node_count(group: ProcessGroup) -> int:
-    return agreed(group).node_count
+        decisions = dict.fromkeys(
+            _DTYPE_KEYS, FiArBackendDecision(None, False, "the ranks disagree")
+        )
+    parallel = None if config is None else config.parallel_config
+    timeout = parallel and parallel.effective_cpu_distributed_timeout
+    bound_s = (timeout or dist.default_pg_timeout).total_seconds()
+    _groups[group] = FiArGroup(group, decisions, inputs.node_count, bound_s)
+    return _groups[group]
 
 
 def decision(group: ProcessGroup, dtype: torch.dtype | None) -> FiArBackendDecision:
@@ -437,15 +512,15 @@ def resolve_fi_ar_backend(
     workspace of `dtype`. The group's own rank 0 logs it, whatever its local
     rank (vLLM's *_once lines print on each node's local rank 0): the first
     dtype's line, then one for each dtype that a known issue moves."""
-    comm = agreed(group, config)
+    fi = agreed(group, config)
     d = decision(group, dtype)
-    if d not in comm.logged and comm.rank == 0:
-        comm.logged.add(d)
+    if d not in fi.logged and fi.rank == 0:
+        fi.logged.add(d)
         warn = d.known_issue is not None and d.known_issue.backend == d.backend
         (logger.warning if warn else logger.info)(
             "FlashInfer all-reduce backend for ranks %s: %s%s (%s)%s",
-            comm.ranks,
-            f"{str(dtype).removeprefix('torch.')}: " * (d != comm.decisions[None]),
+            fi.ranks,
+            f"{str(dtype).removeprefix('torch.')}: " * (d != fi.decisions[None]),
             d.backend or "off",
             d.reason,
             f". Unset {FI_AR_BACKEND_ENV} to let vLLM pick a safe backend." * warn,
@@ -453,65 +528,82 @@ def resolve_fi_ar_backend(
     return d.backend, d.allow_trtllm_fallback
 
 
+def node_count(group: ProcessGroup) -> int:
+    return agreed(group).node_count
+
+
+def forget_failures() -> None:
+    """On destroy_fi_ar_workspace, as upstream resets its failed flags."""
+    for fi in _groups.values():
+        fi.failed.clear()
+
+
 def on_every_rank(group: ProcessGroup, step: Callable, *args: Any) -> Any:
     """A workspace's checkpoint_prepare or checkpoint_restore: every rank
     returns, or raises (its own exception where it raised one, such as
     upstream's NotImplementedError)."""
-    comm = group_comm(group)
-    result, action, why, raised = comm.run(group, step, *args)
-    if action != "keep":
-        what = f"FlashInfer all-reduce {step.__name__} for ranks {comm.ranks}"
+    fi = agreed(group)
+    result_, why, result, raised = fi.run(step.__name__, lambda: step(*args))
+    if result_ is not Outcome.KEEP:
+        what = f"FlashInfer all-reduce {step.__name__} for ranks {fi.ranks}"
         raise RuntimeError(f"{what}: {why}") if raised is None else raised
     return result
 
 
-def _load_kernels() -> str | None:
+def _load_kernels() -> str:
     """trtllm's creation loads its kernels (a JIT build on a cold cache) between
-    two of its collectives: loaded before the deadline starts. mnnvl's loads
-    none (0.7.4 calls get_trtllm_mnnvl_comm_module at all-reduce)."""
+    two of its exchanges: loaded before the bound starts. mnnvl's loads none
+    (0.7.4 calls get_trtllm_mnnvl_comm_module at all-reduce)."""
     try:
         importlib.import_module("flashinfer.comm.trtllm_ar").get_trtllm_comm_module()
     except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+        return f"could not load its kernels: {type(e).__name__}: {e}"
+    return ""
 
 
 def created_on_every_rank(registry: dict[int, Any]) -> Callable[[Callable], Callable]:
-    """Makes `create` (upstream's _create_workspace, given its GroupComm as
-    `creation`) end the same way on every rank within FI_AR_CREATE_TIMEOUT_S
-    (or its setting) plus VOTE_GRACE_S once trtllm's kernels load: all keep the
-    workspace, give it up (out of `registry`, not tried again) or raise."""
-    return lambda create: functools.partial(_create_on_every_rank, registry, create)
+    """Makes `create` (upstream's _create_workspace, given the group's
+    FiArGroup as `creation`) end the same way on every rank: all keep the
+    workspace, give the backend up (not tried again until destroy), turn
+    FlashInfer all-reduce off, or raise."""
 
+    def wrap(create: Callable) -> Callable:
+        signature = inspect.signature(create)
 
-def _create_on_every_rank(
-    registry: dict[int, Any], create: Callable, backend: str, *args: Any
-) -> Any:
-    dtype, group = args[-2:]
-    comm = group_comm(group)
-    if backend in comm.failed:
-        return None
-    workspace = raised = None
-    loads = gather(group, _load_kernels()) if backend == "trtllm" else []
-    if any(loads):
-        votes = [("failed", e) if e else ("ok", None) for e in loads]
-        action, why = decide(comm.ranks, votes, 0)
-        why = why.replace("failed on", "could not load kernels on", 1)
-    else:
-        workspace, action, why, raised = comm.run(group, create, backend, *args, comm)
-    if action == "keep":
-        return workspace
-    if workspace is not None:
-        del registry[id(workspace)]
-        workspace.destroy()
-    comm.failed.update(("mnnvl", "trtllm") if action == "group" else [backend])
-    what = f"FlashInfer {backend} all-reduce workspace for ranks {comm.ranks}"
-    if action == "raise":
-        raise RuntimeError(f"{what}: {why}") from raised
-    then = "FlashInfer all-reduce is off for these ranks"
-    fallback = decision(group, dtype).allow_trtllm_fallback
-    if backend == "mnnvl" and fallback and "trtllm" not in comm.failed:
-        then = "falls back to trtllm"
-    if comm.rank == 0:
-        logger.warning("%s: %s; every rank gave it up and %s.", what, why, then)
-    return None
+        @functools.wraps(create)
+        def create_on_every_rank(*args: Any, **kwargs: Any) -> Any:
+            call = signature.bind(*args, **kwargs).arguments
+            backend, dtype, group = call["backend"], call["dtype"], call["group"]
+            fi = agreed(group)
+            if backend in fi.failed:
+                return None
+            error = _load_kernels() if backend == "trtllm" else ""
+
+            def body() -> Any:
+                if error:
+                    return fi.warning(error)
+                return create(*args, **kwargs, creation=fi)
+
+            what = f"create {backend} {dtype} x {call['max_token_num']} tokens"
+            result, why, workspace, raised = fi.run(what, body)
+            if result is Outcome.KEEP:
+                return workspace
+            if workspace is not None:
+                del registry[id(workspace)]
+                workspace.destroy()
+            off = result is Outcome.OFF
+            fi.failed.update(["mnnvl", "trtllm"] if off else [backend])
+            what = f"FlashInfer {backend} all-reduce workspace for ranks {fi.ranks}"
+            if result is Outcome.RAISE:
+                raise RuntimeError(f"{what}: {why}") from raised
+            then = "FlashInfer all-reduce is off for these ranks"
+            fallback = decision(group, dtype).allow_trtllm_fallback
+            if backend == "mnnvl" and fallback and "trtllm" not in fi.failed:
+                then = "falls back to trtllm"
+            if fi.rank == 0:
+                logger.warning("%s: %s; every rank gave it up and %s.", what, why, then)
+            return None
+
+        return create_on_every_rank
+
+    return wrap
