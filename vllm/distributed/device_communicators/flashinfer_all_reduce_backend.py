@@ -163,11 +163,9 @@ def decide_fi_ar_backend(
     backend = safe[0] if safe else None
     issue = next((unfixed[b] for b in candidates if b in unfixed), None)
     if issue is not None:
-        fix = f"fixed in {issue.fixed_in}" if issue.fixed_in else "no fix"
-        reason += (
-            f"; {issue.trigger}: {issue.backend} {issue.effect} on {package} "
-            f"({issue.name}; {fix})"
-        )
+        fix = f"fixed in {issue.fixed_in}, not in {package}" if issue.fixed_in else ""
+        reason += f"; {issue.trigger}: {issue.backend} {issue.effect} ({issue.name}"
+        reason += f"; {fix})" if fix else ")"
     if backend == "mnnvl" and nodes > 1 and inputs.no_fabric:  # vllm#51986
         backend = None
         reason += (
@@ -323,12 +321,17 @@ class Step:
         joins = self._keys("j")
         self._put(joins[self.rank], (self.what, time.time()))
         if self.store.add(f"{self.nonce}/n", 1) == self.size:
-            self.store.delete_key(SLOT)
+            self._free_slot()
         if not self._wait(joins, self.deadline):
             return False
         seen = self._get(joins)
         self.deadline = max(t for _, t in seen) + self.bound_s
         return all(what == self.what for what, _ in seen)
+
+    def _free_slot(self) -> None:
+        """Unless a later step holds it already."""
+        if self.store.compare_set(SLOT, self.nonce, self.nonce) == self.nonce.encode():
+            self.store.delete_key(SLOT)
 
     def _vote(self, mine: Ballot) -> tuple[Outcome, str]:
         ballots = self._keys("v")
@@ -344,11 +347,7 @@ class Step:
                 ours.append(i)
         votes = self._get(ballots)
         if ours and self.store.add(f"{self.nonce}/left", len(ours)) == self.size:
-            if (
-                self.store.compare_set(SLOT, self.nonce, self.nonce)
-                == self.nonce.encode()
-            ):
-                self.store.delete_key(SLOT)
+            self._free_slot()
             last = max(b.rounds for b in votes) + 1  # an absent rank's END, at most
             names = ["j", "v", *(f"r{r}" for r in range(1, last + 1))]
             for key in [f"{self.nonce}/n", f"{self.nonce}/left"]:
