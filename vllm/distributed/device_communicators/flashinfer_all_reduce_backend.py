@@ -229,6 +229,7 @@ class Left(Exception):
 
 SLOT = "step"  # the nonce of the step being joined; freed once all joined
 END = "end"  # written in place of a rank's next exchange when it ends its part
+GONE = "gone"  # what compare_set(key, GONE, GONE) reads for a key not there
 SLICE_S = 1.0  # the longest one wait holds the store from its other users
 GRACE_S = 0.5  # past the bound, for the ballots of ranks that left at it
 
@@ -249,7 +250,13 @@ class Step:
         return [f"{self.nonce}/{name}/{i}" for i in range(self.size)]
 
     def _get(self, keys: list[str]) -> list[Any]:
-        return [pickle.loads(value) for value in self.store.multi_get(keys)]
+        """Their values, read without blocking (get and multi_get wait for a key
+        the last rank out may have deleted while this one was held up)."""
+        values = [self.store.compare_set(key, GONE, GONE) for key in keys]
+        if GONE.encode() in values:
+            self.left = "this rank came back after its step ended"
+            raise Left(self.left)
+        return [pickle.loads(value) for value in values]
 
     def _put(self, key: str, value: Any) -> Any:
         """What stands at `key` once this rank offered `value`."""
@@ -292,7 +299,8 @@ class Step:
         result = raised = None
         try:
             joined = self._join()
-        except Left as e:
+        except Left as e:  # back after the bound, and the slot may be its own
+            self._free_slot()
             return Outcome.OFF, str(e), None, None
         mine = Ballot(Vote.DONE if joined else Vote.LEFT, self.what)
         try:
@@ -338,14 +346,14 @@ class Step:
         try:
             self._put(self._keys(f"r{self.rounds + 1}")[self.rank], END)
             ours = [self.rank] if self._put(ballots[self.rank], mine) == mine else []
-        except Left as e:
+            self._wait(ballots, self.deadline + GRACE_S)
+            for i, key in enumerate(ballots):
+                absent = Ballot(Vote.ABSENT)
+                if not self.store.check([key]) and self._put(key, absent) == absent:
+                    ours.append(i)
+            votes = self._get(ballots)
+        except Left as e:  # counted out by a peer, so its outcome was OFF
             return Outcome.OFF, str(e)
-        self._wait(ballots, self.deadline + GRACE_S)
-        for i, key in enumerate(ballots):
-            absent = Ballot(Vote.ABSENT)
-            if not self.store.check([key]) and self._put(key, absent) == absent:
-                ours.append(i)
-        votes = self._get(ballots)
         if ours and self.store.add(f"{self.nonce}/left", len(ours)) == self.size:
             self._free_slot()
             last = max(b.rounds for b in votes) + 1  # an absent rank's END, at most
