@@ -6,7 +6,6 @@ vLLM's group; and each collective step (a creation, checkpoint_prepare or
 checkpoint_restore) runs over the group's store, bounded as vLLM bounds its CPU
 groups, and ends in ballots that every rank maps to the same outcome."""
 
-import contextlib
 import dataclasses
 import enum
 import functools
@@ -17,7 +16,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -230,7 +228,7 @@ class Left(Exception):
 SLOT = "step"  # the nonce of the step being joined; freed once all joined
 END = "end"  # written in place of a rank's next exchange when it ends its part
 GONE = "gone"  # what compare_set(key, GONE, GONE) reads for a key not there
-SLICE_S = 1.0  # the longest one wait holds the store from its other users
+POLL_S = 0.1  # the longest pause between two looks at the store
 GRACE_S = 0.5  # past the bound, for the ballots of ranks that left at it
 
 
@@ -269,13 +267,14 @@ class Step:
         return got
 
     def _wait(self, keys: list[str], until: float) -> bool:
-        """Whether all `keys` are set by `until`, waiting a slice at a time."""
+        """Whether all `keys` are set by `until`. Polled: a store wait holds the
+        store from its other users, and TCPStore logs each one that times out."""
+        pause_s = 0.001
         while not self.store.check(keys):
-            left_s = until - time.time()
-            if left_s <= 0.001:  # torch reads a wait of 0 ms as its default
+            if time.time() >= until:
                 return False
-            with contextlib.suppress(RuntimeError):  # a timeout, on every store
-                self.store.wait(keys, timedelta(seconds=min(left_s, SLICE_S)))
+            time.sleep(min(pause_s, max(until - time.time(), 0)))
+            pause_s = min(2 * pause_s, POLL_S)
         return True
 
     def exchange(self, data: Any) -> list[Any]:
