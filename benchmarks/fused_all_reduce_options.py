@@ -5,7 +5,10 @@
 (BadInput), a deployment vLLM would not fuse included."""
 
 import argparse
+import ast
+import importlib.util
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,9 @@ CPU_CAPABILITY = 100
 # A refusal lists the table's rows among these group sizes: up to GB200
 # NVL72's 72 GPUs, the largest NVLink domain.
 LISTED_TP_SIZES = range(2, 73)
+# vLLM's sizes of fused all-reduce by capability and TP size.
+FUSION = "vllm.compilation.passes.fusion.allreduce_rms_fusion"
+SIZE_TABLE = "FI_ALLREDUCE_FUSION_MAX_SIZE_MB"
 
 
 class BadInput(Exception):
@@ -140,14 +146,8 @@ def validate(args: argparse.Namespace) -> None:
     # not the user's to act on: a refusal stays one line.
     logging.getLogger("torch").setLevel(logging.ERROR)
     import vllm.envs as envs
-    from vllm.explain_flashinfer_all_reduce import _capability
 
-    given = None
-    if args.capability is not None:
-        try:
-            given = _capability(args.capability)  # as explain takes it
-        except argparse.ArgumentTypeError as e:
-            raise BadInput(f"--capability {e}") from None
+    given = None if args.capability is None else parse_capability(args.capability)
     try:
         args.backend_setting = envs.VLLM_FLASHINFER_ALLREDUCE_BACKEND
     except ValueError as e:
@@ -165,6 +165,16 @@ def validate(args: argparse.Namespace) -> None:
     else:
         args.capability = CPU_CAPABILITY if given is None else given
     check_fused(args.tp, args.capability)
+
+
+def parse_capability(text: str) -> int:
+    """As vLLM prints it (10.0) or its integer (100). An integer below 70
+    (SM 7.0) is taken for a major without its minor, such as 10: refused."""
+    if match := re.fullmatch(r"(\d+)\.(\d)", text):
+        return int(match[1] + match[2])
+    if text.isdigit() and int(text) >= 70:
+        return int(text)
+    raise BadInput(f"--capability {text!r}: give it as 10.0 or as 100")
 
 
 def gpu_capability(tp: int, given: int | None) -> int:
@@ -197,16 +207,13 @@ def gpu_capability(tp: int, given: int | None) -> int:
 def check_fused(tp: int, capability: int) -> None:
     """Refuse a deployment vLLM would not fuse: nothing to check. Without a
     row for the group's size at the GPUs' capability, FlashInferAllReduce
-    and the fusion pass leave FlashInfer off. explain reads that row from
-    vLLM's installed table, whose module loads CUDA ops (not on CPU)."""
-    from vllm.explain_flashinfer_all_reduce import FUSION, SIZE_TABLE, _fusion_max_size
-
-    if _fusion_max_size(capability, tp):
+    and the fusion pass leave FlashInfer off."""
+    if fusion_max_size(capability, tp):
         return
     rows = [
         f"{n} ({size:g} MB)"
         for n in LISTED_TP_SIZES
-        if (size := _fusion_max_size(capability, n))
+        if (size := fusion_max_size(capability, n))
     ]
     has = f"rows for TP {', '.join(rows)}" if rows else "no rows"
     raise BadInput(
@@ -215,3 +222,15 @@ def check_fused(tp: int, capability: int) -> None:
         "FlashInferAllReduce and the fusion pass leave FlashInfer off; "
         "nothing to check"
     )
+
+
+def fusion_max_size(capability: int, tp: int) -> float | None:
+    """The row of vLLM's installed table, read from its source: the module
+    loads CUDA ops (not on CPU)."""
+    spec = importlib.util.find_spec(FUSION)
+    assert spec is not None and spec.origin is not None, FUSION
+    for node in ast.walk(ast.parse(Path(spec.origin).read_text())):
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == SIZE_TABLE:
+            assert node.value is not None
+            return ast.literal_eval(node.value).get(capability, {}).get(tp)
+    raise LookupError(f"no {SIZE_TABLE} in {FUSION}")

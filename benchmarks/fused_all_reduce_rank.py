@@ -187,7 +187,7 @@ class Rank:
         self.fi_ar = ours("")
         kernel = counted_kernel_release()
         if not self.cuda:
-            from vllm.explain_flashinfer_all_reduce import _fusion_max_size
+            from fused_all_reduce_options import fusion_max_size
 
             sys.path.insert(0, str(TESTS / "benchmarks"))
             sys.path.append(str(TESTS / "distributed"))  # last: shadows nothing
@@ -195,7 +195,7 @@ class Rank:
             self.cpu: Any = cpu.install_cpu_kernel(
                 self.op_module,
                 kernel["release"] or "0",
-                _fusion_max_size(self.spec["capability"], self.world_size),
+                fusion_max_size(self.spec["capability"], self.world_size),
                 self.rank,
                 self.world_size,
             )

@@ -7,7 +7,7 @@
 
 First the workers run each module's tests unmutated: they must pass, or
 every mutant would look killed. Then, for each module in
-mutation/cosmic-ray.toml (backend, replaced, explain):
+mutation/cosmic-ray.toml (backend, replaced):
 write its session config, create the mutants, skip those outside
 the fix and the known equivalent ones (mutation/scope_filter.py), and run
 its tests against every mutant. Prints, per module, the mutants, killed, timed out and
@@ -47,7 +47,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG = REPO_ROOT / "mutation" / "cosmic-ray.toml"
 SESSIONS = REPO_ROOT / "build" / "mutation"
 # Keys of [cosmic-ray.modules.*] that mutation/scope_filter.py reads.
-SCOPE_KEYS = ("changed-lines-only", "skip-definitions")
+SCOPE_KEYS = ("changed-lines-only",)
 # pytest's line for a rank group that hung until its own hard timeout
 # (tests/distributed/fi_ar_utils.py); tracebacks also quote the raise.
 GROUP_HANG = re.compile(r"^E +\S*GroupHang: ", re.MULTILINE)

@@ -7,9 +7,8 @@ tools do, for mutants that are
 
 * outside the fix: in a replaced file, on a line that upstream's original
   also has (`changed-lines-only`), since upstream's untouched code is not
-  ours to test; in any file, inside a definition named in
-  `skip-definitions` (argument parsing, say) or inside a type annotation,
-  which Python does not evaluate into behaviour;
+  ours to test; in any file, inside a type annotation, which Python does
+  not evaluate into behaviour;
 * equivalent: listed under `[[cosmic-ray.filters.equivalent]]` with the
   operator, the mutated line's text and a one-line reason, so a run does not
   report them again. Matching the line's text, not its number, keeps an
@@ -76,26 +75,6 @@ def annotation_spans(tree: ast.Module) -> list[tuple[int, int, int, int]]:
         ):
             annotations.append(node.returns)
     return _spans(annotations)
-
-
-def definition_spans(
-    tree: ast.Module, names: Iterable[str]
-) -> list[tuple[int, int, int, int]]:
-    """Where the named module- or class-level definitions are."""
-    wanted = set(names)
-    found: dict[str, ast.AST] = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names_here = [node.name]
-        elif isinstance(node, ast.Assign):
-            names_here = [t.id for t in node.targets if isinstance(t, ast.Name)]
-        else:
-            continue
-        found.update((name, node) for name in names_here if name in wanted)
-    if wanted - found.keys():
-        # A renamed definition would silently come back into scope.
-        raise ValueError(f"skip-definitions not found: {sorted(wanted - found.keys())}")
-    return _spans(found.values())
 
 
 # Comparisons whose negation is itself one of the comparison mutants.
@@ -170,7 +149,6 @@ class ScopeFilter(FilterApp):
         """A function saying why a mutation is outside the fix, or None."""
         tree = ast.parse(source)
         annotations = annotation_spans(tree)
-        skipped = definition_spans(tree, scope.get("skip-definitions", []))
         negated = negated_comparisons(tree)
         ours = None
         if scope.get("changed-lines-only", False):
@@ -185,8 +163,6 @@ class ScopeFilter(FilterApp):
                 return "out of scope: upstream's unchanged code"
             if any(_inside(start, span) for span in annotations):
                 return "out of scope: type annotation"
-            if any(_inside(start, span) for span in skipped):
-                return "out of scope: skip-definitions"
             if mutation.operator_name == "core/AddNot" and start in negated:
                 return "duplicate: the comparison mutant negates this condition"
             return None

@@ -37,7 +37,7 @@ from tools.check import collect_overlay, module_name  # noqa: E402
 # What the selected tests and the fix's modules import, and none of the
 # modules this tree replaces or adds: the test framework, torch and vLLM's
 # config, FlashInfer's comm package (the replaced file), the engine
-# arguments (explain) and the KV connectors (HiSparse configs).
+# arguments and the KV connectors (HiSparse configs).
 PRELOAD = (
     "pytest",
     "torch.distributed",
