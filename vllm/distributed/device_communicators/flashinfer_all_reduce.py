@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-# Description: FlashInfer bugs steered by kernel release; bounded, voted steps.
+# Description: FlashInfer bugs and trtllm over PCIe steered around; voted steps.
 # Bug: https://github.com/vllm-project/vllm/issues/64327 (flashinfer#7782)
 # Origin: vendor
 # Forwarded: no
