@@ -201,6 +201,7 @@ class Ballot:
     step: str = ""  # what the rank ran: kind, backend, dtype, size
     detail: str = ""
     rounds: int = 0  # exchanges written, for the last rank out to delete
+    by: int = -1  # who wrote an ABSENT ballot: only the writer counts it out
 
 
 def outcome(ranks: Iterable[int], ballots: list[Ballot]) -> tuple[Outcome, str]:
@@ -241,29 +242,42 @@ class Step:
     def __init__(self, store, ranks, rank, what: str, bound_s: float, last=""):
         self.store, self.ranks, self.size, self.rank = store, ranks, len(ranks), rank
         self.what, self.bound_s, self.nonce = what, bound_s, last
-        self.deadline = time.time() + bound_s  # to join; then for the step
+        self.start = time.time()
+        self.deadline = self.start + bound_s  # to join; then for the step
+        self.early = self.deadline + GRACE_S  # before it, no peer can delete it
         self.rounds, self.failures, self.left = 0, list[str](), ""
+        self.wrote: set[str] = set()
 
     def _keys(self, name: str) -> list[str]:
         return [f"{self.nonce}/{name}/{i}" for i in range(self.size)]
+
+    def _gone(self) -> Left:
+        """Back after the last rank out deleted the step: what this rank wrote
+        since (a count it made anew, its END, its ballot) goes too."""
+        self._free_slot()
+        for key in self.wrote:
+            self.store.delete_key(key)
+        self.left = "this rank came back after its step ended"
+        return Left(self.left)
 
     def _get(self, keys: list[str]) -> list[Any]:
         """Their values, read without blocking (get and multi_get wait for a key
         the last rank out may have deleted while this one was held up)."""
         values = [self.store.compare_set(key, GONE, GONE) for key in keys]
         if GONE.encode() in values:
-            self.left = "this rank came back after its step ended"
-            raise Left(self.left)
+            raise self._gone()
         return [pickle.loads(value) for value in values]
 
     def _put(self, key: str, value: Any) -> Any:
-        """What stands at `key` once this rank offered `value`."""
+        """What stands at `key` once this rank offered `value`. The rank's own
+        join key, the first that the last rank out deletes, says whether the
+        step is still there, where a peer may have deleted it."""
         got = pickle.loads(self.store.compare_set(key, "", pickle.dumps(value)))
-        late = time.time() > self.deadline + GRACE_S
-        if late and got == value and not self.store.check([f"{self.nonce}/n"]):
-            self.store.delete_key(key)
-            self.left = "this rank came back after its step ended"
-            raise Left(self.left)
+        if got == value:
+            self.wrote.add(key)
+            mine = self._keys("j")[self.rank]
+            if time.time() > self.early and not self.store.check([mine]):
+                raise self._gone()
         return got
 
     def _wait(self, keys: list[str], until: float) -> bool:
@@ -298,8 +312,7 @@ class Step:
         result = raised = None
         try:
             joined = self._join()
-        except Left as e:  # back after the bound, and the slot may be its own
-            self._free_slot()
+        except Left as e:
             return Outcome.OFF, str(e), None, None
         mine = Ballot(Vote.DONE if joined else Vote.LEFT, self.what)
         try:
@@ -326,13 +339,15 @@ class Step:
             self.store.delete_key(SLOT)
             self.nonce = self.store.compare_set(SLOT, "", fresh).decode()
         joins = self._keys("j")
-        self._put(joins[self.rank], (self.what, time.time()))
+        self._put(joins[self.rank], (self.what, self.start))
+        self.wrote.add(f"{self.nonce}/n")
         if self.store.add(f"{self.nonce}/n", 1) == self.size:
             self._free_slot()
         if not self._wait(joins, self.deadline):
             return False
         seen = self._get(joins)
         self.deadline = max(t for _, t in seen) + self.bound_s
+        self.early = min(t for _, t in seen) + self.bound_s + GRACE_S
         return all(what == self.what for what, _ in seen)
 
     def _free_slot(self) -> None:
@@ -347,7 +362,7 @@ class Step:
             ours = [self.rank] if self._put(ballots[self.rank], mine) == mine else []
             self._wait(ballots, self.deadline + GRACE_S)
             for i, key in enumerate(ballots):
-                absent = Ballot(Vote.ABSENT)
+                absent = Ballot(Vote.ABSENT, by=self.rank)
                 if not self.store.check([key]) and self._put(key, absent) == absent:
                     ours.append(i)
             votes = self._get(ballots)
@@ -355,11 +370,13 @@ class Step:
             return Outcome.OFF, str(e)
         if ours and self.store.add(f"{self.nonce}/left", len(ours)) == self.size:
             self._free_slot()
-            last = max(b.rounds for b in votes) + 1  # an absent rank's END, at most
-            names = ["j", "v", *(f"r{r}" for r in range(1, last + 1))]
-            for key in [f"{self.nonce}/n", f"{self.nonce}/left"]:
-                self.store.delete_key(key)
-            for key in (k for name in names for k in self._keys(name)):
+            # A rank that joined after the rest gave up may have written one
+            # exchange more than any ballot says, then its END.
+            last = max(b.rounds for b in votes) + 2
+            keys = self._keys("j") + [f"{self.nonce}/n", f"{self.nonce}/left"]
+            for name in ["v", *(f"r{r}" for r in range(1, last + 1))]:
+                keys += self._keys(name)
+            for key in keys:  # the join keys first: they say the step is there
                 self.store.delete_key(key)
         return outcome(self.ranks, votes)
 
