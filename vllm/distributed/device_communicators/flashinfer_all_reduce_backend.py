@@ -214,10 +214,14 @@ def outcome(ranks: Iterable[int], ballots: list[Ballot]) -> tuple[Outcome, str]:
     rules = [(Vote.ABSENT, Outcome.OFF), (Vote.RAISED, Outcome.RAISE)]
     rules += [(Vote.FAILED, Outcome.GIVE_UP), (Vote.LEFT, Outcome.OFF)]
     for vote, result in rules:
-        if hit := [(r, b.detail) for r, b in by_rank if b.vote is vote]:
+        by_detail: dict[str, list[int]] = {}
+        for r, b in by_rank:
+            if b.vote is vote:
+                by_detail.setdefault(b.detail, []).append(r)
+        if by_detail:
             return result, "; ".join(
-                f"rank {r} {vote.value}" + f": {detail}" * bool(detail)
-                for r, detail in hit
+                f"{some_ranks(r)} {vote.value}" + f": {detail}" * bool(detail)
+                for detail, r in by_detail.items()
             )
     return Outcome.KEEP, ""
 
@@ -334,10 +338,13 @@ class Step:
         """Whether every rank joined this same step within the bound; from when
         the last one did, the step has the bound again."""
         last, fresh = self.nonce, uuid.uuid4().hex
-        self.nonce = self.store.compare_set(SLOT, "", fresh).decode()
-        if self.nonce == last:  # a step this rank left before all joined it
-            self.store.delete_key(SLOT)
-            self.nonce = self.store.compare_set(SLOT, "", fresh).decode()
+        # A step this rank left before all joined it holds the slot until its
+        # last rank out frees it: this rank never joins it again.
+        while (nonce := self.store.compare_set(SLOT, "", fresh).decode()) == last:
+            if time.time() > self.deadline:
+                raise self._gone()
+            time.sleep(POLL_S)
+        self.nonce = nonce
         joins = self._keys("j")
         self._put(joins[self.rank], (self.what, self.start))
         self.wrote.add(f"{self.nonce}/n")
@@ -351,8 +358,9 @@ class Step:
         return all(what == self.what for what, _ in seen)
 
     def _free_slot(self) -> None:
-        """Unless a later step holds it already."""
-        if self.store.compare_set(SLOT, self.nonce, self.nonce) == self.nonce.encode():
+        """Unless a later step holds it: read, then deleted while it holds this
+        step's nonce, which no rank can change (a claim needs it free)."""
+        if self.store.compare_set(SLOT, GONE, GONE) == self.nonce.encode():
             self.store.delete_key(SLOT)
 
     def _vote(self, mine: Ballot) -> tuple[Outcome, str]:
@@ -387,7 +395,9 @@ class FiArGroup:
     keeps for its checkpoints: exchanges run inside this group's step only."""
 
     def __init__(self, group: ProcessGroup, decisions: dict, nodes: int, bound_s):
-        self.group, self.decisions, self.node_count = group, decisions, nodes
+        # Not the group: _groups holds this weakly keyed by it.
+        self.store = dist.PrefixStore("vllm-fi-ar", group.get_group_store())
+        self.decisions, self.node_count = decisions, nodes
         self.ranks = tuple(dist.get_process_group_ranks(group))
         self.rank, self.bound_s = dist.get_rank(group), bound_s
         self.logged: set[FiArBackendDecision] = set()  # by the group's rank 0
@@ -396,8 +406,9 @@ class FiArGroup:
         self.last = ""  # the last step's nonce
 
     def run(self, what: str, body: Callable[[], Any]) -> tuple[Outcome, str, Any, Any]:
-        store = dist.PrefixStore("vllm-fi-ar", self.group.get_group_store())
-        self.step = Step(store, self.ranks, self.rank, what, self.bound_s, self.last)
+        self.step = Step(
+            self.store, self.ranks, self.rank, what, self.bound_s, self.last
+        )
         try:
             return self.step.run(body)
         finally:
@@ -506,21 +517,26 @@ def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> FiArGroup
     connected = all(v[2] for v in views)
     if no_fabric or not connected:
         decisions = every_dtype(no_fabric=no_fabric, nvlink_connected=connected)
-    if len({choice for choice, _, _ in views}) > 1:
+    off = None
+    if differ := [r for r, v in zip(ranks, views, strict=True) if v[0] != views[0][0]]:
         if dist.get_rank(group) == 0:
             logger.error(
-                "FlashInfer all-reduce is off for ranks %s: they chose different "
-                "backends. Make these the same on every node: %s, the HiSparse "
+                "FlashInfer all-reduce is off for ranks %s: %s chose other backends "
+                "than rank %d. Make these the same on every node: %s, the HiSparse "
                 "config, the GPU and the FlashInfer packages.",
                 ranks,
+                some_ranks(differ),
+                ranks[0],
                 FI_AR_BACKEND_ENV,
             )
         off = FiArBackendDecision(None, False, "the ranks disagree")
         decisions = dict.fromkeys(decisions, off)
     timeout = config and config.parallel_config.effective_cpu_distributed_timeout
     bound_s = (timeout or dist.default_pg_timeout).total_seconds()
-    _groups[group] = FiArGroup(group, decisions, inputs.node_count, bound_s)
-    return _groups[group]
+    fi = _groups[group] = FiArGroup(group, decisions, inputs.node_count, bound_s)
+    if off is not None:
+        fi.logged.add(off)  # the error said it
+    return fi
 
 
 def resolve_fi_ar_backend(
@@ -570,8 +586,8 @@ def on_every_rank(group: ProcessGroup, step: Callable, *args: Any) -> Any:
 
 def _load_kernels() -> str:
     """trtllm's creation loads its kernels (a JIT build on a cold cache) between
-    two exchanges: loaded before the bound starts. mnnvl's loads none (0.7.4
-    calls get_trtllm_mnnvl_comm_module at all-reduce)."""
+    two exchanges: loaded before its step, where a peer waits for it as for
+    any late rank. mnnvl's loads none (0.7.4 loads them at all-reduce)."""
     try:
         importlib.import_module("flashinfer.comm.trtllm_ar").get_trtllm_comm_module()
     except Exception as e:
