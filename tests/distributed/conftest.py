@@ -20,6 +20,7 @@ from fi_ar_utils import (
     FakeWorkspaceFactory,
     build_config,
     free_port,
+    namespaces_unavailable,
     pin_gpu,
     reset_log_once,
     run_group,
@@ -31,7 +32,7 @@ from vllm.config import set_current_vllm_config
 # The four-rank group fixtures (about a minute each on 2
 # cores). Mutation runs (mutation/cosmic-ray.toml) leave them out with
 # `-m "not slow_rank_group"` and rely on the two-rank `one_node` group.
-SLOW_RANK_GROUPS = {"two_nodes", "two_nodes_of_two", "uneven_ranks"}
+SLOW_RANK_GROUPS = {"two_nodes", "vllm_groups"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -124,10 +125,11 @@ def unfixed_kernels(installed_flashinfer: Callable[..., Path]) -> None:
 def one_node() -> list[dict[str, dict[str, Any]]]:
     """Two ranks, TP=2's shape, also with ranks that see different things.
 
-    A two-rank group must agree and vote as a larger one does. Ranks that
-    create different workspaces fail the group at once (RanksDiverged); other
+    A two-rank group must agree as a larger one does. Ranks that create
+    different workspaces fail the group at once (RanksDiverged); other
     mismatched collectives hang until the timeout.
     """
+    sm100_row = {"tuned": [100, 2, 1, 128], "first": "standalone"}
     return run_group(
         [
             {"name": "auto"},
@@ -141,26 +143,17 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
                 **UNFIXED,
             },
             {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
+            {
+                "name": "hisparse-differs",
+                "per_rank": {"0": {"hisparse": "connector"}},
+                **UNFIXED,
+            },
             {"name": "fp16", "dtype": "float16", **UNFIXED},
             {"name": "fp16-fixed", "dtype": "float16"},
-            {
-                "name": "fp16-sm100-row",
-                "dtype": "float16",
-                **UNFIXED,
-                "tuned": [100, 2, 1, 128],
-                "first": "standalone",
-            },
-            {
-                "name": "bf16-sm100-row",
-                "tuned": [100, 2, 1, 128],
-                "first": "standalone",
-            },
-            {
-                "name": "bf16-sm100-row-no-multicast",
-                "tuned": [100, 2, 1, 128],
-                "first": "standalone",
-                "multicast": False,
-            },
+            {"name": "fp32", "dtype": "float32", "first": "standalone"},
+            {"name": "fp16-sm100-row", "dtype": "float16", **UNFIXED, **sm100_row},
+            {"name": "bf16-sm100-row", **sm100_row},
+            {"name": "bf16-sm100-row-no-multicast", "multicast": False, **sm100_row},
             {
                 "name": "fp16-explicit-mnnvl",
                 "dtype": "float16",
@@ -183,8 +176,36 @@ def one_node() -> list[dict[str, dict[str, Any]]]:
                 **UNFIXED,
                 "per_rank": {"1": {"fail": ["trtllm"]}},
             },
+            {
+                "name": "kernels-fail-to-load-on-rank-1",
+                "env": {ENV: "trtllm"},
+                "per_rank": {"1": {"load_fails": ["trtllm"]}},
+            },
         ],
         nnodes=1,
         ranks_per_node=2,
-        timeout=120,
+        timeout=240,
     )
+
+
+@pytest.fixture(scope="session")
+def two_nodes() -> list[dict[str, dict[str, Any]]]:
+    """Two ranks on each of two nodes (a private /dev/shm per node)."""
+    if why := namespaces_unavailable():
+        pytest.skip(f"two nodes are simulated with mount namespaces: {why}")
+    cases: list[dict[str, Any]] = [
+        {"name": "auto-100", "capability": 100},
+        {"name": "auto-90", "capability": 90},
+        {"name": "trtllm", "env": {ENV: "trtllm"}},
+        {"name": "mnnvl", "env": {ENV: "mnnvl"}, "capability": 90},
+        {"name": "no-fabric-on-rank-3", "per_rank": {"3": {"fabric": False}}},
+        {"name": "no-fabric-explicit-mnnvl", "fabric": False, "env": {ENV: "mnnvl"}},
+        {"name": "hisparse-fixed", "hisparse": "connector"},
+        {"name": "hisparse-reacquire", "hisparse": "connector", "reacquire": True},
+    ]
+    cases[-1] |= UNFIXED
+    cases += [
+        {"name": f"hisparse-{m}", "hisparse": m, **UNFIXED}
+        for m in ("connector", "multiconnector")
+    ]
+    return run_group(cases, nnodes=2, ranks_per_node=2)

@@ -34,12 +34,9 @@ from unittest import mock
 
 HERE = Path(__file__).resolve()
 MODULE = "vllm.distributed.device_communicators.flashinfer_all_reduce"
-# The decision, the agreement and the bounded steps: the backend module.
+# The decision, the agreement and the collective steps: the backend module.
 BACKEND_MODULE = f"{MODULE}_backend"
-# Where the bounded steps were before they joined the backend module.
-CREATION_MODULE = f"{MODULE}_creation"
 ENV = "VLLM_FLASHINFER_ALLREDUCE_BACKEND"
-CREATE_TIMEOUT_ENV = "VLLM_FLASHINFER_ALLREDUCE_CREATE_TIMEOUT_S"
 HIDDEN_DIM = 4096
 # A flashinfer-python release without the fixes of 0.7.4, for the cases
 # where its kernels load, and the case key that installs it.
@@ -52,14 +49,20 @@ RANK_WOULD_HANG = 75
 # Stand-in for PassConfig.default_fi_allreduce_fusion_max_size_mb(), which
 # imports the CUDA-op fusion passes and so cannot run without a GPU.
 FUSION_MAX_SIZE_MB = {2: 64, 4: 64, 8: 64}
+# The rank groups' bound on a step (vLLM's cpu_distributed_timeout_seconds),
+# well within their hard timeouts: a step that never completes fails its
+# case, with the step's own words, rather than the whole group.
+STEP_BOUND_S = 60
 
 
 class FakeWorkspace:
     """What `create_allreduce_fusion_workspace` returns, minus the GPU."""
 
-    def __init__(self, backend: str, multicast: bool, log: list[str]):
+    def __init__(self, backend: str, multicast: bool, log: list[str], tokens: int):
         self.backend = backend
         self.mc_ptr = 1 if multicast else 0
+        if backend == "trtllm":  # what vLLM reads of FlashInfer's trtllm workspace
+            self.metadata = {"max_token_num": tokens}
         self.destroyed = False
         self._log = log
 
@@ -83,30 +86,23 @@ class FakeWorkspaceFactory:
 
     Like FlashInfer's, creation is a collective: ranks exchange their
     arguments through the comm backend they are given (FlashInfer exchanges
-    memory handles through it), or the group without one. On GPUs, ranks
-    that disagree would block in mismatched rendezvous; here the rank ends
-    at once with exit status RANK_WOULD_HANG, so the group fails in seconds
-    rather than at its timeout. `fail_before` lists backends whose creation
-    fails on this rank before that exchange (an allocation, say), while the
-    other ranks wait in it; `fail` those that fail after it; `late_seconds`
+    memory handles through it), or the group without one (stock vLLM). On
+    GPUs, ranks that disagree would block in mismatched rendezvous; here the
+    rank ends at once with exit status RANK_WOULD_HANG, so the group fails in
+    seconds rather than at its timeout. Through a comm backend it makes two
+    exchanges, as FlashInfer makes several: the arguments, then a barrier.
+    `fail` lists backends whose creation fails on this rank after them,
+    `fail_once` those that fail on their first creation only; `late_seconds`
     is how long this rank takes before the exchange; `multicast` is what an
     mnnvl workspace reports; `returns` is what it returns instead of a new
     workspace. `sizes` records each creation's backend and token count.
-    Through a comm backend it makes two exchanges, as FlashInfer makes
-    several: the arguments, then a barrier; `exit_at` is the exchange
-    (0 or 1) at which this rank's process exits; `late_after_seconds` is
-    how long it takes after them, before failing as `fail` says;
-    `fail_once` lists backends that fail on their first creation only.
     """
 
     fail: set[str] = field(default_factory=set)
-    fail_before: set[str] = field(default_factory=set)
+    fail_once: set[str] = field(default_factory=set)
     late_seconds: float = 0.0
     multicast: bool = True
     returns: Any = None
-    exit_at: int | None = None
-    late_after_seconds: float = 0.0
-    fail_once: set[str] = field(default_factory=set)
     log: list[str] = field(default_factory=list)
     sizes: list[tuple[str, int]] = field(default_factory=list)
 
@@ -118,29 +114,23 @@ class FakeWorkspaceFactory:
         comm_backend: Any = None,
         **kwargs: Any,
     ):
+        import importlib
+
         import torch.distributed as dist
 
         self.log.append(f"create:{backend}")
-        self.sizes.append((backend, kwargs["max_token_num"]))
+        tokens = kwargs["max_token_num"]
+        self.sizes.append((backend, tokens))
         time.sleep(self.late_seconds)
-        if backend in self.fail_before:
-            raise RuntimeError(f"injected {backend} workspace failure before exchange")
         if backend == "trtllm":
             # FlashInfer's trtllm creation loads its kernel module (a JIT
             # build on a cold cache) in the middle of its collectives.
-            import importlib
-
-            importlib.import_module(
-                "flashinfer.comm.trtllm_ar"
-            ).get_trtllm_comm_module()
+            trtllm_ar = importlib.import_module("flashinfer.comm.trtllm_ar")
+            trtllm_ar.get_trtllm_comm_module()
         if group is not None and dist.get_world_size(group) > 1:
-            mine = (backend, kwargs.get("max_token_num"), kwargs.get("hidden_dim"))
-            if self.exit_at == 0:
-                os._exit(0)
+            mine = (backend, tokens, kwargs.get("hidden_dim"))
             if comm_backend is not None:
                 everyone = list(comm_backend.allgather(mine))
-                if self.exit_at == 1:
-                    os._exit(0)
                 comm_backend.barrier()
             else:
                 everyone = [None] * dist.get_world_size(group)
@@ -149,14 +139,10 @@ class FakeWorkspaceFactory:
                 print(f"workspace arguments differ across ranks: {everyone}")
                 sys.stdout.flush()
                 os._exit(RANK_WOULD_HANG)
-        time.sleep(self.late_after_seconds)
-        if (
-            backend in self.fail
-            or self.attempts.count(backend) == 1
-            and (backend in self.fail_once)
-        ):
+        once = backend in self.fail_once and self.attempts.count(backend) == 1
+        if backend in self.fail or once:
             raise RuntimeError(f"injected {backend} workspace failure")
-        return self.returns or FakeWorkspace(backend, self.multicast, self.log)
+        return self.returns or FakeWorkspace(backend, self.multicast, self.log, tokens)
 
     @property
     def attempts(self) -> list[str]:
@@ -177,11 +163,9 @@ def workspace_args(group: Any, world_size: int = 2) -> dict[str, Any]:
     )
 
 
-def pin_gpu(
-    monkeypatch: Any,
-    capability: int | None = 100,
-) -> None:
-    """Make the platform report a CUDA device of `capability` (e.g. 100)."""
+def pin_gpu(monkeypatch: Any, capability: int | None = 100, nvlink: bool = True):
+    """Make the platform report a CUDA device of `capability` (e.g. 100),
+    which NVML finds NVLink-connected to the group's others or not."""
     from vllm.config.compilation import PassConfig
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
@@ -192,22 +176,20 @@ def pin_gpu(
     # imported; a faked torch.cuda in an earlier test may have re-resolved it.
     import importlib
 
+    platforms = {type(current_platform)}
     for name in (MODULE, BACKEND_MODULE):
-        held = type(importlib.import_module(name).current_platform)
-        if held is not type(current_platform):
-            monkeypatch.setattr(
-                held, "get_device_capability", classmethod(lambda cls, d=0: cap)
-            )
-            monkeypatch.setattr(held, "is_cuda", lambda self: True)
-    platform = type(current_platform)
-    monkeypatch.setattr(platform, "is_cuda", lambda self: True)
+        platforms.add(type(importlib.import_module(name).current_platform))
+    for platform in platforms:
+        monkeypatch.setattr(platform, "is_cuda", lambda self: True)
+        monkeypatch.setattr(
+            platform,
+            "get_device_capability",
+            classmethod(lambda cls, device_id=0: cap),
+        )
+        fully_connected = classmethod(lambda cls, ids: nvlink)
+        monkeypatch.setattr(platform, "is_fully_connected", fully_connected, False)
     monkeypatch.setattr(
-        platform, "support_hybrid_kv_cache", classmethod(lambda cls: True)
-    )
-    monkeypatch.setattr(
-        platform,
-        "get_device_capability",
-        classmethod(lambda cls, device_id=0: cap),
+        type(current_platform), "support_hybrid_kv_cache", classmethod(lambda cls: True)
     )
     monkeypatch.setattr(
         PassConfig,
@@ -222,13 +204,10 @@ class FakeFlashInferDevice:
     boundary: the NVLink fabric probe (`is_mnnvl_fabric_supported` in
     flashinfer.comm.mnnvl), the kernel-module loaders each backend calls
     (which build kernels, JIT, on a cold cache) and the CUDA device index.
-
-    `load_seconds` is how long a load takes (a cold JIT build), and
-    `load_fails` the backends whose kernels fail to load.
+    `load_fails` lists the backends whose kernels fail to load.
     """
 
     fabric: bool = True
-    load_seconds: float = 0.0
     load_fails: set[str] = field(default_factory=set)
     probes: int = 0
     loads: list[str] = field(default_factory=list)
@@ -265,7 +244,6 @@ class FakeFlashInferDevice:
 
         def load() -> object:
             if backend not in self.loads:
-                time.sleep(self.load_seconds)
                 if backend in self.load_fails:
                     raise RuntimeError(f"injected {backend} kernel build failure")
                 self.loads.append(backend)
@@ -538,78 +516,27 @@ def _run_node(spec_path: str, ranks: list[str]) -> int:
     return _first_failure(procs, timeout=float("inf"))
 
 
-# torch.distributed calls that are collective rounds on a group.
-COLLECTIVES = (
-    "all_gather",
-    "all_gather_object",
-    "all_reduce",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "reduce",
-    "scatter",
-    "scatter_object_list",
-)
-
-
-class CollectiveCounter:
-    """Counts collective rounds (on the group, or over its store in the
-    patch's creations), vLLM's node probes and process groups made (making a
-    gloo group is a rendezvous of its ranks too) while installed."""
+class GroupCounter:
+    """Counts vLLM's node probes (each one a collective) and the process
+    groups made (making a gloo group is a rendezvous of its ranks too) while
+    installed."""
 
     def __init__(self) -> None:
-        self.collectives = 0
         self.node_probes = 0
         self.groups = 0
-        self._depth = 0
 
     def install(self, patch: Any) -> None:
-        import importlib
-
         import torch.distributed as dist
 
         from vllm.distributed import parallel_state
 
-        for name in COLLECTIVES:
-            patch.setattr(dist, name, self._counting(getattr(dist, name)))
-        patch.setattr(dist, "new_group", self._making(dist.new_group))
-        # GroupComm's, or an earlier tree's StoreComm or Creation (the benchmark's).
-        for name, kind in (
-            (BACKEND_MODULE, "GroupComm"),
-            (CREATION_MODULE, "StoreComm"),
-            (CREATION_MODULE, "Creation"),
-        ):
-            module = importlib.import_module(name) if _has_module(name) else None
-            if (comm := getattr(module, kind, None)) is not None:
-                patch.setattr(comm, "_exchange", self._counting(comm._exchange))
-                break
-        probe = parallel_state.in_the_same_node_as
-        patch.setattr(parallel_state, "in_the_same_node_as", self._probing(probe))
+        probe, new_group = parallel_state.in_the_same_node_as, dist.new_group
+        patch.setattr(parallel_state, "in_the_same_node_as", self._counting(probe))
+        patch.setattr(dist, "new_group", self._counting(new_group, "groups"))
 
-    def _counting(self, fn: Any) -> Any:
+    def _counting(self, fn: Any, counter: str = "node_probes") -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            # Only top-level calls: one round, however it is implemented.
-            self.collectives += self._depth == 0
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return counted
-
-    def _making(self, fn: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.groups += 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    def _probing(self, fn: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.node_probes += 1
+            setattr(self, counter, getattr(self, counter) + 1)
             return fn(*args, **kwargs)
 
         return counted
@@ -691,7 +618,7 @@ def _run_rank(rank: int, spec_path: str) -> None:
         )
     out = Path(spec["out"], f"rank{rank}.jsonl")
     for case in spec["cases"]:
-        result = _run_case(rank, case)
+        result = _run_case(rank, case, Path(spec["out"]))
         with out.open("a") as f:
             f.write(json.dumps(result) + "\n")
 
@@ -716,40 +643,25 @@ class CudaTensorStandIn:
         return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
 
-def _has_module(name: str) -> bool:
-    """Whether this run's vLLM has `name` (stock vLLM lacks the patch's)."""
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # the overlay finder's answer for stock vLLM
-        return False
-
-
-def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
+def _run_case(rank: int, case: dict[str, Any], tmp: Path) -> dict[str, Any]:
     """Acquire workspaces the way a worker does, recording what happened.
 
-    Case keys: name, env, hisparse, capability, multicast, fail and
-    fail_before (backends whose creation fails after or before FlashInfer's
-    exchange), fabric, load_seconds and load_fails (see
-    FakeFlashInferDevice), bound (the creation's collective bound, in
-    seconds), reacquire (destroy, then acquire again outside the config),
-    dtype (the workspaces'), tp (the TP groups' ranks, default one of all),
-    world_group_after (then make a world-wide group, with this timeout),
-    late_seconds (see FakeWorkspaceFactory), tuned ([capability, TP size,
-    nodes, MB], a row added to vLLM's tuned mnnvl sizes), first
-    ("standalone": the standalone all-reduce's first call creates the
-    workspace, before the fusion pass), idle (this rank's group acquires
-    nothing) and foreign_workspace (FlashInfer returns a workspace vLLM
-    already tied to the world group), exit_at (see FakeWorkspaceFactory),
-    tp_pp ([TP, PP] sizes of vLLM's groups, see run_group), keys_left (the
-    creations' keys left in the group's store, a moment after) and
-    flashinfer (the flashinfer-python release installed, faked as
-    write_synthetic_flashinfer does; by default the real one); `per_rank`
-    maps a rank to overrides of any of them.
+    Case keys: name, env, hisparse, capability and nvlink (see pin_gpu),
+    multicast, fail, fail_once and late_seconds (see FakeWorkspaceFactory),
+    fabric and load_fails (see FakeFlashInferDevice), cuda (FlashInfer's own
+    creation on fake_cuda's device, with these FakeCuda knobs, instead of the
+    fake constructor), checkpoint (sleep mode's checkpoints after),
+    reacquire (destroy, then acquire again outside the config), dtype (the
+    workspaces'), world_group_after (then make a world-wide group, with this
+    timeout), tuned ([capability, TP size, nodes, MB], a row added to vLLM's
+    tuned mnnvl sizes), first (see _acquire), tp_pp ([TP, PP] sizes of
+    vLLM's groups, see run_group) and flashinfer (the flashinfer-python
+    release installed, faked as write_synthetic_flashinfer does; by default
+    the real one); `per_rank` maps a rank to overrides of any of them. `tmp`
+    is the group's folder, removed with it.
     Each case gets a new gloo group, as a new engine would, so per-group
-    state starts cold. The result counts collective rounds and node probes,
-    and times the acquisition.
+    state starts cold. The result counts node probes, process groups made
+    and store requests, and times the acquisition.
     """
     import importlib
     import time
@@ -767,46 +679,36 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
         patch.setenv(name, value)
     factory = FakeWorkspaceFactory(
         fail=set(case.get("fail", [])),
-        fail_before=set(case.get("fail_before", [])),
+        fail_once=set(case.get("fail_once", [])),
         late_seconds=case.get("late_seconds", 0.0),
         multicast=case.get("multicast", True),
-        exit_at=case.get("exit_at"),
-        late_after_seconds=case.get("late_after_seconds", 0.0),
-        fail_once=set(case.get("fail_once", [])),
     )
     device = FakeFlashInferDevice(
-        fabric=case.get("fabric", True),
-        load_seconds=case.get("load_seconds", 0.0),
-        load_fails=set(case.get("load_fails", [])),
+        fabric=case.get("fabric", True), load_fails=set(case.get("load_fails", []))
     )
     result: dict[str, Any] = {"case": case["name"], "rank": rank}
     messages = _LogCollector()
     reset_log_once()
     logging.getLogger("vllm").addHandler(messages)
     try:
-        group = _case_group(rank, case)
-        pin_gpu(patch, case.get("capability", 100))
+        group = _case_group(case)
+        pin_gpu(patch, case.get("capability", 100), case.get("nvlink", True))
         if "cuda" in case:
-            _install_cuda(patch, case, fi_ar, factory, result)
+            _install_cuda(patch, case["cuda"], fi_ar, factory, result)
         else:
             device.install(patch)
-        if "flashinfer" in case:
-            site = Path(tempfile.mkdtemp(prefix="fi-ar-site-"))
-            write_synthetic_flashinfer(site, flashinfer=case["flashinfer"])
-            patch.syspath_prepend(str(site))
-        if "cuda" not in case:
             patch.setattr(
                 fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", factory
             )
-        if "bound" in case:
-            patch.setenv(CREATE_TIMEOUT_ENV, str(case["bound"]))
+        if "flashinfer" in case:
+            site = tmp / f"site-{rank}-{case['name']}"
+            write_synthetic_flashinfer(site, flashinfer=case["flashinfer"])
+            patch.syspath_prepend(str(site))
         if "tuned" in case:
             *row, size_mb = case["tuned"]
             patch.setitem(fi_ar.FI_MNNVL_ALLREDUCE_MAX_SIZE_MB, tuple(row), size_mb)
-        if case.get("foreign_workspace"):
-            factory.returns = FakeWorkspace("mnnvl", True, factory.log)
-            fi_ar._fi_ar_workspace_groups[id(factory.returns)] = dist.group.WORLD
         config = build_config(case.get("hisparse", "off"))
+        config.parallel_config.cpu_distributed_timeout_seconds = STEP_BOUND_S
         args = dict(
             world_size=dist.get_world_size(group),
             rank=dist.get_rank(group),
@@ -815,31 +717,24 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
             dtype=getattr(torch, case.get("dtype", "bfloat16")),
             group=group,
         )
-        counter, store = CollectiveCounter(), StoreCounter()
+        counter, store = GroupCounter(), StoreCounter()
         counter.install(patch)
         store.install(patch)
         start = time.perf_counter()
         try:
-            if not case.get("idle"):
-                with set_current_vllm_config(config):
-                    _acquire(fi_ar, case, args, result, device.loads)
+            with set_current_vllm_config(config):
+                _acquire(fi_ar, case.get("first"), args, result, device.loads)
         finally:
             result["seconds"] = time.perf_counter() - start
             result["store_requests"] = store.requests
-            if case.get("keys_left"):
-                time.sleep(2)  # the last rank out removes the keys
-                result["keys_left"] = creation_keys_left(group)
         if case.get("checkpoint"):
-            # Sleep mode, as CudaCommunicator calls it; a rank may exit first.
-            if case.get("exit_before_checkpoint"):
-                os._exit(0)
+            # Sleep mode, as CudaCommunicator calls it.
             try:
                 fi_ar.checkpoint_prepare_fi_ar_workspaces(group, skip_unsupported=True)
                 fi_ar.checkpoint_restore_fi_ar_workspaces(group, skip_unsupported=True)
                 result["checkpoint"] = "ok"
             except Exception as e:
                 result["checkpoint"] = f"{type(e).__name__}: {e}"
-            result["checkpoint_seconds"] = time.perf_counter() - start
         if case.get("reacquire"):
             # As after a recompile or sleep/wake: destroyed, then acquired
             # again with no vLLM config current.
@@ -856,7 +751,6 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
                     fi_ar.get_fi_ar_workspace(**args), "backend", None
                 ),
             }
-        result["collectives"] = counter.collectives
         result["node_probes"] = counter.node_probes
         result["groups"] = counter.groups
         if "world_group_after" in case:
@@ -889,20 +783,14 @@ def _run_case(rank: int, case: dict[str, Any]) -> dict[str, Any]:
 
 
 def _install_cuda(
-    patch: Any, case: dict[str, Any], fi_ar: Any, factory: Any, result: Any
+    patch: Any, knobs: dict[str, Any], fi_ar: Any, factory: Any, result: Any
 ) -> None:
     """FlashInfer's own creation, CUDA faked below it (fake_cuda.FakeCuda with
-    the case's `cuda` knobs); its calls recorded in `factory`'s log and sizes
-    as the constructor-level fake records them. `comm_exit_at` (a round of
-    the creation's comm backend, counted from 1) is where this rank's
-    process exits, `comm_late` ([round, seconds]) how late it comes to one;
-    `foreign_workspace`: FlashInfer's workspace, made, is already another
-    group's on this rank."""
-    import importlib
-
+    `knobs`); its calls recorded in `factory`'s log and sizes as the
+    constructor-level fake records them."""
     from fake_cuda import FakeCuda
 
-    cuda = FakeCuda(**case["cuda"])
+    cuda = FakeCuda(**knobs)
     cuda.install(patch)
     result["kernel_loads"] = cuda.kernel_loads
     create = fi_ar.flashinfer_comm.create_allreduce_fusion_workspace
@@ -910,30 +798,13 @@ def _install_cuda(
     def recorded(**kwargs: Any) -> Any:
         factory.log.append(f"create:{kwargs['backend']}")
         factory.sizes.append((kwargs["backend"], kwargs["max_token_num"]))
-        workspace = create(**kwargs)
-        if case.get("foreign_workspace"):  # upstream's own check raises here
-            fi_ar._fi_ar_workspace_groups[id(workspace)] = object()
-        return workspace
+        return create(**kwargs)
 
     patch.setattr(fi_ar.flashinfer_comm, "create_allreduce_fusion_workspace", recorded)
-    comm = importlib.import_module(BACKEND_MODULE).GroupComm
-    round_trip, rounds = comm._round, [0]
-    exit_at, (late_at, late_s) = case.get("comm_exit_at"), case.get("comm_late", (0, 0))
-
-    def counted(self: Any, data: Any) -> Any:
-        rounds[0] += 1
-        if rounds[0] == exit_at:
-            os._exit(0)
-        if rounds[0] == late_at:
-            time.sleep(late_s)
-        return round_trip(self, data)
-
-    patch.setattr(comm, "_round", counted)
 
 
-def _case_group(rank: int, case: dict[str, Any]) -> Any:
-    """This rank's TP group for `case`: vLLM's, or a gloo group of its own
-    (every rank makes every TP group, as vLLM's GroupCoordinator does)."""
+def _case_group(case: dict[str, Any]) -> Any:
+    """This rank's TP group for `case`: vLLM's, or a gloo group of all ranks."""
     import torch.distributed as dist
 
     if "tp_pp" in case:
@@ -944,56 +815,48 @@ def _case_group(rank: int, case: dict[str, Any]) -> Any:
         with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
             initialize_model_parallel(*case["tp_pp"])
         return get_tp_group().cpu_group
-    tp_groups = case.get("tp", [list(range(dist.get_world_size()))])
-    made = [dist.new_group(ranks, backend="gloo") for ranks in tp_groups]
-    return next(g for g, r in zip(made, tp_groups, strict=True) if rank in r)
-
-
-def creation_keys_left(group: Any) -> list[str]:
-    """The keys of the group's first steps left in its store, as the patch
-    names them (a round's key and a vote's for each rank)."""
-    import torch.distributed as dist
-
-    size = dist.get_world_size(group)
-    names = [f"{r}/{i}" for r in range(1, 6) for i in range(size)]
-    names += [f"vote/{i}" for i in range(size)]
-    left = []
-    for prefix in (f"vllm-fi-ar/{step}/" for step in range(1, 7)):
-        store = dist.PrefixStore(prefix, group.get_group_store())
-        left += [prefix + name for name in names if store.check([name])]
-    return left
+    return dist.new_group(backend="gloo")
 
 
 def _acquire(
     fi_ar: Any,
-    case: dict[str, Any],
+    first: str | None,
     args: dict[str, Any],
     result: dict[str, Any],
     kernel_loads: list[str],
 ) -> None:
     """What a worker does: the standalone all-reduce, then the fusion pass's
-    workspace and quant workspace (or the standalone's first call first)."""
+    workspace and quant workspace. `first`: "standalone", the standalone
+    all-reduce's first call creates the workspace, before the fusion pass;
+    "fusion", the fusion pass's call is the group's first into the module
+    (the standalone all-reduce is built after it)."""
     group = args["group"]
-    standalone = fi_ar.FlashInferAllReduce(group=group, device="cpu")
-    result["standalone_disabled"] = standalone.disabled
-    result["constructor_loads"] = list(kernel_loads)
-    if case.get("first") == "standalone":
+
+    def build_standalone() -> Any:
+        standalone = fi_ar.FlashInferAllReduce(group=group, device="cpu")
+        result["standalone_disabled"] = standalone.disabled
+        result["constructor_loads"] = list(kernel_loads)
+        return standalone
+
+    if first != "fusion":
+        standalone = build_standalone()
+    if first == "standalone":
         one_token = CudaTensorStandIn((1, HIDDEN_DIM), args["dtype"])
         result["standalone_first"] = standalone.should_use_fi_ar(one_token)
     ws = fi_ar.get_fi_ar_workspace(**args)
     quant = fi_ar.get_fi_ar_quant_workspace(**args)
+    if first == "fusion":
+        standalone = build_standalone()
     result["resolved"] = fi_ar._resolve_fi_ar_backend(group)
     result["workspace"] = None if ws is None else ws.backend
     result["quant"] = None if quant is None else quant.backend
     result["shared"] = ws is not None and ws is quant
+    result["workspace_tokens"] = getattr(ws, "metadata", {}).get("max_token_num")
     if not standalone.disabled:
         result["standalone_ready"] = standalone._ensure_workspace(
             HIDDEN_DIM, args["dtype"]
         )
-        result["standalone_size"] = [
-            standalone.max_workspace_size,
-            standalone.max_num_tokens,
-        ]
+        result["standalone_tokens"] = standalone.max_num_tokens
 
 
 def run_reinit(cycles: int, *, timeout: float = 120) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The group module: the ranks of a group agree on the backend, once.
+"""The agreement: the ranks of a group agree on the backend once, say so on
+the group's own rank 0, and end each creation the same way.
 
 Runs on CPU: real VllmConfig objects, real gloo process groups on loopback,
 and the real module; only FlashInfer's workspace constructor and the CUDA
-device facts are faked (see fi_ar_utils).
+device facts are faked (see fi_ar_utils). How a step ends under faults is
+test_step_matrix.py's.
 """
 
 import importlib
@@ -18,7 +20,6 @@ from fi_ar_utils import (
     ENV,
     FUSION_MAX_SIZE_MB,
     HIDDEN_DIM,
-    UNFIXED,
     every_rank,
     namespaces_unavailable,
     pin_gpu,
@@ -54,6 +55,15 @@ def _give_ups(r: dict[str, Any]) -> list[str]:
     return [m for m in r["messages"] if "every rank gave it up" in m]
 
 
+def _alerts(r: dict[str, Any]) -> list[str]:
+    """The FlashInfer warnings and errors of a rank's creations."""
+    return [
+        m
+        for m in r["messages"]
+        if m.startswith(("WARNING", "ERROR")) and "FlashInfer" in m
+    ]
+
+
 @pytest.mark.parametrize(("capability", "backend"), [(100, "mnnvl"), (None, None)])
 def test_the_gpu_is_read_from_the_platform(
     fi_ar, cpu_group, monkeypatch, capability, backend
@@ -79,14 +89,6 @@ def test_without_a_current_config_hisparse_is_unknown_and_safe(
     assert len(said) == 1 and said[0].levelno == logging.WARNING
 
 
-@pytest.mark.parametrize("setting", ["MNNVL", "nccl"])
-def test_an_invalid_setting_is_refused_by_vllm(fi_ar, cpu_group, monkeypatch, setting):
-    """The setting is read through vllm.envs, whose check names the variable."""
-    monkeypatch.setenv(ENV, setting)
-    with pytest.raises(ValueError, match=f"Invalid value '{setting}' for {ENV}"):
-        fi_ar._resolve_fi_ar_backend(cpu_group)
-
-
 @pytest.mark.parametrize("case", ["auto", "hisparse", "no-multicast"])
 def test_nodes_are_counted_once_per_group(one_node, case):
     # Counting nodes is collective; stock repeats it on every resolve.
@@ -94,11 +96,12 @@ def test_nodes_are_counted_once_per_group(one_node, case):
         assert r["node_probes"] == 1
 
 
-@pytest.mark.parametrize("case", ["auto", "hisparse"])
+@pytest.mark.parametrize("case", ["auto", "hisparse", "no-multicast"])
 def test_the_communicator_loads_no_kernels(one_node, case):
     """Building FlashInferAllReduce, as vLLM does for every TP group, loads
     nothing: trtllm's kernels load for its creation (a JIT build takes
-    minutes), mnnvl's for none (its all-reduce calls build them)."""
+    minutes), mnnvl's for none (its all-reduce calls build them), also where
+    mnnvl falls back to trtllm."""
     for r in every_rank(one_node, case):
         assert not r["standalone_disabled"]
         assert r["constructor_loads"] == []
@@ -116,15 +119,17 @@ def test_float16_workspaces_get_trtllm_on_unfixed_kernels(one_node):
         assert r["standalone_ready"]
         assert "create:mnnvl" not in r["log"]
     group, float16 = _rank_0s(results)
-    assert group.startswith(
-        "INFO FlashInfer all-reduce backend for ranks (0, 1): mnnvl (auto, single "
-        "node (trtllm if NVSwitch multicast is unavailable))"
+    assert group == (
+        "INFO FlashInfer all-reduce backend for ranks (0, 1): mnnvl (auto, one node)"
     )
     assert float16.startswith(
         "INFO FlashInfer all-reduce backend for ranks (0, 1): float16: trtllm "
-        "(auto, the workspace is float16: using trtllm on a single node"
+        "(auto, one node; the workspace is float16: mnnvl zeroes tokens"
     )
-    assert "mnnvl fp16 RMSNorm overflow" in float16
+    assert float16.endswith(
+        "(mnnvl fp16 RMSNorm overflow; fixed in 0.7.4, not in flashinfer-python "
+        "0.7.2.post1))"
+    )
 
 
 def test_float16_workspaces_get_mnnvl_on_fixed_kernels(one_node):
@@ -144,11 +149,11 @@ def test_float16_workspace_is_sized_for_trtllm(one_node):
     for r in every_rank(one_node, "fp16-sm100-row"):
         assert r["standalone_first"]
         assert r["sizes"] == [["trtllm", FUSION_TOKENS]]
-        assert r["standalone_size"] == [FUSION_MAX_SIZE_MB[2] * 2**20, FUSION_TOKENS]
+        assert r["standalone_tokens"] == r["workspace_tokens"] == FUSION_TOKENS
     # The same row sizes bfloat16's mnnvl workspace from the tuned table.
     for r in every_rank(one_node, "bf16-sm100-row"):
         assert r["sizes"] == [["mnnvl", TUNED_TOKENS]]
-        assert r["standalone_size"] == [128 * 2**20, TUNED_TOKENS]
+        assert r["standalone_tokens"] == TUNED_TOKENS
 
 
 def test_a_standalone_fallback_to_trtllm_is_sized_for_trtllm(one_node):
@@ -158,9 +163,21 @@ def test_a_standalone_fallback_to_trtllm_is_sized_for_trtllm(one_node):
     for r in every_rank(one_node, "bf16-sm100-row-no-multicast"):
         assert r["standalone_first"]
         assert r["sizes"] == [["mnnvl", TUNED_TOKENS], ["trtllm", FUSION_TOKENS]]
-        # Its bounds follow: no call past them reaches FlashInfer's own check,
+        # Its bound follows: no call past it reaches FlashInfer's own check,
         # which would log a warning on every such call.
-        assert r["standalone_size"] == [FUSION_MAX_SIZE_MB[2] * 2**20, FUSION_TOKENS]
+        assert r["standalone_tokens"] == FUSION_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("case", "backend"),
+    [("auto", "mnnvl"), ("fp16", "trtllm"), ("fp16-fixed", "mnnvl"), ("fp32", "mnnvl")],
+)
+def test_every_dtypes_workspace_serves_the_standalone_all_reduce(
+    one_node, case, backend
+):
+    for r in every_rank(one_node, case):
+        assert r["workspace"] == r["quant"] == backend and r["shared"]
+        assert r["standalone_ready"] and r["standalone_tokens"] > 0
 
 
 def test_explicit_mnnvl_for_float16_is_obeyed_with_one_warning(one_node):
@@ -174,142 +191,73 @@ def test_explicit_mnnvl_for_float16_is_obeyed_with_one_warning(one_node):
     assert [warning] == [m for m in results[0]["messages"] if m.startswith("WARN")]
     assert warning.startswith(
         "WARNING FlashInfer all-reduce backend for ranks (0, 1): float16: mnnvl "
-        f"({ENV}=mnnvl is set explicitly, and mnnvl zeroes"
+        f"({ENV}=mnnvl; the workspace is float16: mnnvl zeroes"
     )
     assert warning.endswith(f"Unset {ENV} to let vLLM pick a safe backend.")
 
 
-def test_two_ranks_that_disagree_turn_it_off(one_node):
-    """The error names each rank's own view, so the odd node can be found."""
-    results = every_rank(one_node, "env-differs")
+@pytest.mark.parametrize("case", ["env-differs", "hisparse-differs"])
+def test_two_ranks_that_disagree_turn_it_off(one_node, case):
+    """Rank 1 sets the backend (or HiSparse, rank 0) where rank 0 does not:
+    both are off, with one error on the group's rank 0 saying what to align."""
+    results = every_rank(one_node, case)
     for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["standalone_disabled"]
         assert r["log"] == [], "no workspace may be attempted"
         assert r["resolved"] == [None, False]
     [line] = _rank_0s(results, _errors)
-    assert _views(line) == ["mnnvl (may fall back to trtllm)", "trtllm"]
-    assert line.endswith(
-        f"Make these the same on every node: {ENV}, the HiSparse config, the "
-        "GPU and the FlashInfer packages."
+    assert line == (
+        "ERROR FlashInfer all-reduce is off for ranks [0, 1]: they chose different "
+        f"backends. Make these the same on every node: {ENV}, the HiSparse "
+        "config, the GPU and the FlashInfer packages."
     )
 
 
 def test_a_failure_on_one_of_two_ranks_falls_back_on_both(one_node):
-    for r in every_rank(one_node, "mnnvl-fails-on-rank-1"):
-        assert r["workspace"] == r["quant"] == "trtllm"
-        assert r["log"].count("create:mnnvl") == r["log"].count("create:trtllm") == 1
-
-
-@pytest.fixture(scope="module")
-def uneven_ranks() -> list[dict[str, dict[str, Any]]]:
-    """Four ranks on one node, each case making one rank the odd one out.
-
-    The fake constructor exchanges arguments like FlashInfer's, so ranks that
-    go separate ways fail here, where on GPUs they would hang (stock does).
-    """
-    return run_group(
-        [
-            {"name": "mnnvl-fails-on-rank-2", "per_rank": {"2": {"fail": ["mnnvl"]}}},
-            {"name": "env-differs", "per_rank": {"1": {"env": {ENV: "trtllm"}}}},
-            {
-                "name": "hisparse-differs",
-                "per_rank": {"0": {"hisparse": "connector"}},
-                **UNFIXED,
-            },
-        ],
-        nnodes=1,
-        ranks_per_node=4,
-        timeout=180,
-    )
-
-
-def test_a_failure_on_one_rank_falls_back_on_every_rank(uneven_ranks):
-    results = every_rank(uneven_ranks, "mnnvl-fails-on-rank-2")
+    """Rank 0 destroys the mnnvl workspace it made; both fall back. What
+    failed, where, and what the group does now is said once, by the group's
+    rank 0: vLLM's own fallback line, which says less, is not said as well."""
+    results = every_rank(one_node, "mnnvl-fails-on-rank-1")
     for r in results:
         assert r["workspace"] == r["quant"] == "trtllm"
         assert r["standalone_ready"]
         assert r["log"].count("create:mnnvl") == r["log"].count("create:trtllm") == 1
-    for r in results[:2] + results[3:]:
-        assert "destroy:mnnvl" in r["log"], "a workspace the group gave up on"
-
-
-@pytest.mark.parametrize("case", ["env-differs", "hisparse-differs"])
-def test_ranks_that_disagree_turn_it_off(uneven_ranks, case):
-    mnnvl = "mnnvl (may fall back to trtllm)"
-    views = {
-        "env-differs": [mnnvl, "trtllm", mnnvl, mnnvl],
-        "hisparse-differs": ["trtllm", mnnvl, mnnvl, mnnvl],
-    }[case]
-    results = every_rank(uneven_ranks, case)
-    for r in results:
-        assert r["workspace"] is None and r["quant"] is None
-        assert r["standalone_disabled"]
-        assert r["log"] == [], "no workspace may be attempted"
-    [line] = _rank_0s(results, _errors)
-    assert _views(line) == views
-
-
-def _views(line: str) -> list[str]:
-    """Each rank's view, in rank order, from the disagreement error."""
-    views = line[line.index("(rank 0: ") + 1 : line.index("). Make")]
-    return [view.split(": ", 1)[1] for view in views.split(", rank ")]
-
-
-requires_namespaces = pytest.mark.skipif(
-    (why := namespaces_unavailable()) is not None,
-    reason=f"two nodes are simulated with mount namespaces: {why}",
-)
-
-
-@pytest.fixture(scope="module")
-def two_nodes_of_two() -> list[dict[str, dict[str, Any]]]:
-    """Two ranks on each of two nodes (a private /dev/shm per node)."""
-    second_node_fails = {"fail_before": ["mnnvl"]}
-    return run_group(
-        [
-            {
-                "name": "second-node-fails",
-                "bound": 3,
-                "per_rank": {"2": second_node_fails, "3": second_node_fails},
-            },
-            {"name": "fabric"},
-            {"name": "no-fabric-on-rank-3", "per_rank": {"3": {"fabric": False}}},
-            {
-                "name": "no-fabric-explicit-mnnvl",
-                "fabric": False,
-                "env": {ENV: "mnnvl"},
-            },
-        ],
-        nnodes=2,
-        ranks_per_node=2,
-        timeout=180,
+    assert "destroy:mnnvl" in results[0]["log"]
+    [line] = _rank_0s(results, _alerts)
+    assert line == (
+        "WARNING FlashInfer mnnvl all-reduce workspace for ranks (0, 1): rank 1 "
+        "failed: Failed to initialize FlashInfer All Reduce workspace: injected "
+        "mnnvl workspace failure.; every rank gave it up and falls back to trtllm."
     )
 
 
-@requires_namespaces
-def test_one_node_of_two_failing_turns_every_rank_off(two_nodes_of_two):
-    results = every_rank(two_nodes_of_two, "second-node-fails")
+def test_kernels_failing_to_load_on_one_rank_give_trtllm_up_on_every_rank(one_node):
+    """trtllm's kernels load before its creation: a build that fails on rank
+    1 ends it there before any attempt, and on rank 0 at its first exchange,
+    in seconds, in the one line of the group's rank 0."""
+    results = every_rank(one_node, "kernels-fail-to-load-on-rank-1")
     for r in results:
         assert r["workspace"] is None and r["quant"] is None
-        assert r["log"].count("create:mnnvl") == 1
+        assert r["seconds"] < 30
+    assert results[1]["log"] == [], "never attempted where its kernels are missing"
     [line] = _rank_0s(results, _give_ups)
-    assert (
-        "failed on ranks 2, 3 (Failed to initialize FlashInfer All Reduce "
-        "workspace: injected mnnvl workspace failure before exchange.)"
-    ) in line
+    assert line == (
+        "WARNING FlashInfer trtllm all-reduce workspace for ranks (0, 1): rank 1 "
+        "failed: could not load its kernels: RuntimeError: injected trtllm "
+        "kernel build failure; every rank gave it up and FlashInfer all-reduce "
+        "is off for these ranks."
+    )
 
 
-@requires_namespaces
-def test_a_multi_node_group_with_a_fabric_gets_mnnvl(two_nodes_of_two):
-    for r in every_rank(two_nodes_of_two, "fabric"):
+def test_a_multi_node_group_with_a_fabric_gets_mnnvl(two_nodes):
+    for r in every_rank(two_nodes, "auto-100"):
         assert r["workspace"] == r["quant"] == "mnnvl"
         assert r["fabric_probes"] == 1, "probed once per group"
 
 
-@requires_namespaces
-def test_auto_is_off_across_nodes_without_a_fabric_on_every_rank(two_nodes_of_two):
-    results = every_rank(two_nodes_of_two, "no-fabric-on-rank-3")
+def test_auto_is_off_across_nodes_without_a_fabric_on_every_rank(two_nodes):
+    results = every_rank(two_nodes, "no-fabric-on-rank-3")
     for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["standalone_disabled"]
@@ -317,21 +265,19 @@ def test_auto_is_off_across_nodes_without_a_fabric_on_every_rank(two_nodes_of_tw
     [line] = _rank_0s(results)
     assert line == (
         "INFO FlashInfer all-reduce backend for ranks (0, 1, 2, 3): off (auto, "
-        "2 nodes on Blackwell: only mnnvl spans nodes; but FlashInfer finds no "
-        "NVLink fabric on rank 3: off)"
+        "2 nodes on Blackwell; FlashInfer finds no NVLink fabric on rank 3)"
     )
 
 
-@requires_namespaces
-def test_explicit_mnnvl_across_nodes_without_a_fabric_is_off(two_nodes_of_two):
-    results = every_rank(two_nodes_of_two, "no-fabric-explicit-mnnvl")
+def test_explicit_mnnvl_across_nodes_without_a_fabric_is_off(two_nodes):
+    results = every_rank(two_nodes, "no-fabric-explicit-mnnvl")
     for r in results:
         assert r["workspace"] is None and r["quant"] is None
         assert r["log"] == [], "no workspace may be attempted"
     [line] = _rank_0s(results)
     assert line.startswith(
         "INFO FlashInfer all-reduce backend for ranks (0, 1, 2, 3): off "
-        f"({ENV}=mnnvl is set explicitly; but FlashInfer finds no NVLink fabric"
+        f"({ENV}=mnnvl; FlashInfer finds no NVLink fabric on ranks 0, 1, 2, 3)"
     )
 
 
@@ -340,6 +286,8 @@ def fi074_older_provider(tmp_path_factory) -> list[dict[str, dict[str, Any]]]:
     """One rank on each of two nodes with flashinfer-python 0.7.4 and a 0.7.4
     jit-cache shim listing a 0.7.2.post1 provider (synthetic, first on
     PYTHONPATH)."""
+    if why := namespaces_unavailable():
+        pytest.skip(f"two nodes are simulated with mount namespaces: {why}")
     site = write_synthetic_flashinfer(
         tmp_path_factory.mktemp("fi074") / "site",
         flashinfer="0.7.4",
@@ -357,7 +305,6 @@ def fi074_older_provider(tmp_path_factory) -> list[dict[str, dict[str, Any]]]:
         )
 
 
-@requires_namespaces
 def test_hisparse_across_nodes_counts_an_older_provider(fi074_older_provider):
     """The provider's kernels may run: off, and the line names it; without
     HiSparse, mnnvl as on any release."""
@@ -365,8 +312,10 @@ def test_hisparse_across_nodes_counts_an_older_provider(fi074_older_provider):
     for r in results:
         assert r["workspace"] is None and r["quant"] is None
     [line] = _rank_0s(results)
-    assert ": off (auto, HiSparse is on" in line
-    assert "the kernels of fi-cu129 0.7.2.post1" in line
+    assert ": off (auto, 2 nodes on Blackwell; HiSparse is on: " in line
+    assert line.endswith(
+        "(flashinfer#7782; fixed in 0.7.4, not in fi-cu129 0.7.2.post1))"
+    )
     for r in every_rank(fi074_older_provider, "auto"):
         assert r["workspace"] == r["quant"] == "mnnvl"
 
@@ -379,24 +328,6 @@ def test_destroyed_groups_are_freed_across_reinitialisation():
     assert reinit["alive"] == [False, False, False]
     first, *later = reinit["held"]
     assert all(held == first for held in later), reinit["held"]
-
-
-def _alerts(r: dict[str, Any]) -> list[str]:
-    """The FlashInfer warnings and errors of a rank's creations."""
-    return [
-        m
-        for m in r["messages"]
-        if m.startswith(("WARNING", "ERROR")) and "FlashInfer" in m
-    ]
-
-
-def test_a_failure_is_one_warning_on_the_groups_rank_0(one_node):
-    """What failed, where, and what the group does now, said once: vLLM's own
-    fallback line, which says less, is not said as well."""
-    line, *more = _rank_0s(every_rank(one_node, "mnnvl-fails-on-rank-1"), _alerts)
-    assert not more, more
-    assert line.startswith("WARNING FlashInfer mnnvl all-reduce workspace for ")
-    assert line.endswith("every rank gave it up and falls back to trtllm.")
 
 
 def test_two_failures_are_two_warnings_and_no_error(one_node):
