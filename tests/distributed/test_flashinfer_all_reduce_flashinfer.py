@@ -135,6 +135,14 @@ def vllm_groups() -> list[dict[str, dict[str, Any]]]:
                 "tp_pp": [4, 1],
                 "per_rank": {"2": {"nvlink": False}},
             },
+            {"name": "tp4-nvlink", "cuda": {"multicast": False}, "tp_pp": [4, 1]},
+            {
+                "name": "tp4-explicit-trtllm-no-nvlink",
+                "cuda": {},
+                "tp_pp": [4, 1],
+                "env": {ENV: "trtllm"},
+                "nvlink": False,
+            },
         ],
         nnodes=1,
         ranks_per_node=4,
@@ -155,7 +163,7 @@ def test_a_tp_group_without_local_rank_0_warns_from_its_own_rank_0(vllm_groups):
     assert [r["workspace"] for r in results] == ["mnnvl", "mnnvl", None, None]
     assert [len(_warnings(r)) for r in results] == [0, 0, 2, 0]
     mnnvl, trtllm = _warnings(results[2])
-    assert "workspace for ranks (2, 3): rank 2 failed: " in mnnvl
+    assert "workspace for ranks (2, 3): ranks 2, 3 failed: " in mnnvl
     assert "rank 1: creating or exporting the allocation failed" in mnnvl
     assert trtllm.endswith("FlashInfer all-reduce is off for these ranks.")
     startup = [[m for m in r["messages"] if "backend for ranks" in m] for r in results]
@@ -185,6 +193,7 @@ def test_trtllm_is_no_fallback_where_one_rank_lacks_nvlink(vllm_groups):
         assert "error" not in r, r.get("traceback")
         assert r["workspace"] is None and r["quant"] is None
         assert r["log"] == ["create:mnnvl"]
+        assert r["standalone_ready"] is False, "vLLM's own all-reduce takes over"
     [startup] = [m for m in results[0]["messages"] if "backend for ranks" in m]
     assert startup.startswith(
         "INFO FlashInfer all-reduce backend for ranks (0, 1, 2, 3): mnnvl (auto, "
@@ -196,3 +205,21 @@ def test_trtllm_is_no_fallback_where_one_rank_lacks_nvlink(vllm_groups):
         "every rank gave it up and FlashInfer all-reduce is off for these ranks."
     )
     assert not any(_warnings(r) for r in results[1:])
+
+
+def test_tp4_all_nvlink_connected_falls_back_to_trtllm(vllm_groups):
+    """The same group with NVLink between every pair keeps today's fallback."""
+    for r in (r["tp4-nvlink"] for r in vllm_groups):
+        assert "error" not in r, r.get("traceback")
+        assert r["workspace"] == r["quant"] == "trtllm"
+
+
+def test_explicit_trtllm_without_nvlink_is_obeyed_with_a_warning(vllm_groups):
+    results = [r["tp4-explicit-trtllm-no-nvlink"] for r in vllm_groups]
+    for r in results:
+        assert "error" not in r, r.get("traceback")
+        assert r["workspace"] == r["quant"] == "trtllm"
+    [startup] = [m for m in results[0]["messages"] if "backend for ranks" in m]
+    assert startup.startswith("WARNING FlashInfer all-reduce backend for ranks")
+    assert "(vllm#48075, vllm#48071, sglang#32330)" in startup
+    assert startup.endswith(f"Unset {ENV} to let vLLM pick a safe backend.")

@@ -208,9 +208,9 @@ def test_two_ranks_that_disagree_turn_it_off(one_node, case):
         assert r["resolved"] == [None, False]
     [line] = _rank_0s(results, _errors)
     assert line == (
-        "ERROR FlashInfer all-reduce is off for ranks [0, 1]: they chose different "
-        f"backends. Make these the same on every node: {ENV}, the HiSparse "
-        "config, the GPU and the FlashInfer packages."
+        "ERROR FlashInfer all-reduce is off for ranks [0, 1]: rank 1 chose other "
+        f"backends than rank 0. Make these the same on every node: {ENV}, the "
+        "HiSparse config, the GPU and the FlashInfer packages."
     )
 
 
