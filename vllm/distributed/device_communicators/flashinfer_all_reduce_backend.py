@@ -251,6 +251,7 @@ class Step:
         self.early = self.deadline + GRACE_S  # before it, no peer can delete it
         self.rounds, self.failures, self.left = 0, list[str](), ""
         self.wrote: set[str] = set()
+        self.speaker = -1  # the first rank that answered: it logs the outcome
 
     def _keys(self, name: str) -> list[str]:
         return [f"{self.nonce}/{name}/{i}" for i in range(self.size)]
@@ -374,6 +375,8 @@ class Step:
                 if not self.store.check([key]) and self._put(key, absent) == absent:
                     ours.append(i)
             votes = self._get(ballots)
+            answered = (i for i, b in enumerate(votes) if b.vote is not Vote.ABSENT)
+            self.speaker = next(answered, -1)
         except Left as e:  # counted out by a peer, so its outcome was OFF
             return Outcome.OFF, str(e)
         if ours and self.store.add(f"{self.nonce}/left", len(ours)) == self.size:
@@ -404,6 +407,7 @@ class FiArGroup:
         self.failed: set[str] = set()
         self.step: Step | None = None
         self.last = ""  # the last step's nonce
+        self.speaker = -1  # the last step's first rank that answered
 
     def run(self, what: str, body: Callable[[], Any]) -> tuple[Outcome, str, Any, Any]:
         self.step = Step(
@@ -412,7 +416,8 @@ class FiArGroup:
         try:
             return self.step.run(body)
         finally:
-            self.last, self.step = self.step.nonce, None
+            self.last, self.speaker = self.step.nonce, self.step.speaker
+            self.step = None
 
     def decision(self, dtype: torch.dtype | None) -> FiArBackendDecision:
         return self.decisions.get(
@@ -574,13 +579,16 @@ def forget_failures() -> None:
 
 def on_every_rank(group: ProcessGroup, step: Callable, *args: Any) -> Any:
     """A workspace's checkpoint_prepare or checkpoint_restore: every rank
-    returns, or raises (its own exception where it raised one, such as
-    upstream's NotImplementedError)."""
+    returns, or raises: its own exception where the outcome is that a rank
+    raised (such as upstream's NotImplementedError), else one saying which
+    ranks did not complete (one that did not answer may be blocked for good)."""
     fi = agreed(group)
     result, why, value, raised = fi.run(step.__name__, lambda: step(*args))
+    if result is Outcome.RAISE and raised is not None:
+        raise raised
     if result is not Outcome.KEEP:
         what = f"FlashInfer all-reduce {step.__name__} for ranks {fi.ranks}"
-        raise RuntimeError(f"{what}: {why}") if raised is None else raised
+        raise RuntimeError(f"{what}: {why}") from raised
     return value
 
 
@@ -629,6 +637,6 @@ def _create_on_every_rank(registry, create: Callable, *args: Any, **kwargs: Any)
     fallback = fi.decision(dtype).allow_trtllm_fallback
     if backend == "mnnvl" and fallback and "trtllm" not in fi.failed:
         then = "falls back to trtllm"
-    if fi.rank == 0:
+    if fi.rank == fi.speaker:  # rank 0, unless it did not answer
         logger.warning("%s: %s; every rank gave it up and %s.", what, why, then)
     return None
