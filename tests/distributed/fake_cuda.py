@@ -10,57 +10,54 @@ flashinfer-python's own `create_allreduce_fusion_workspace`, its workspaces'
 0.7.2.post1 and 0.7.4 alike. What it replaces:
 
 - the cuda-python driver module held by `flashinfer.comm.mnnvl` (`cuda`) and
-  by `flashinfer.cuda_utils` (`driver`, for error names): virtual memory,
-  allocation handles, multicast objects, device attributes, contexts. Types
-  and enums stay cuda-python's own, which work without a driver;
+  by `flashinfer.cuda_utils` (`driver`, for error names); types and enums
+  stay cuda-python's own, which work without a driver;
 - the runtime: `cudaSetDevice` of the cuda-python runtime module
   SymmDeviceMemory imports, and `flashinfer.comm.trtllm_ar.cudart` (the
-  ctypes libcudart wrapper: cudaMalloc, cudaMemset, cudaMemcpy);
+  ctypes libcudart wrapper);
 - NVML's fabric query as `flashinfer.comm.mnnvl` reads it (`pynvml`);
 - `torch.cuda`'s current_device, device_count, set_device and synchronize;
+- torch symmetric memory as `flashinfer.comm.torch_symmetric_memory` uses it
+  (the Confidential Computing path: `empty`, and `rendezvous`, which
+  exchanges the buffers' addresses on the group, a collective as torch's is);
 - the kernel loaders `get_trtllm_comm_module` and
   `get_trtllm_mnnvl_comm_module`, cached as FlashInfer's are; the ops that
   creation runs (Lamport initialisation) do nothing;
-- NVML's Confidential Computing query, answered "off" through FlashInfer's
-  FLASHINFER_CONFIDENTIAL_COMPUTE override;
-- `torch.tensor` as seen by `trtllm_ar` and `trtllm_mnnvl_ar` only, which
-  put the workspace's pointer table and flags on device="cuda": torch
-  refuses that without a driver, so those tensors are made on the host.
+- NVML's Confidential Computing query, through FlashInfer's own override
+  (FLASHINFER_CONFIDENTIAL_COMPUTE);
+- `torch.tensor` as seen by `trtllm_ar` and `trtllm_mnnvl_ar` only, whose
+  device="cuda" tensors are made on the host.
 
 Memory is bookkeeping: virtual addresses are integers, memsets and copies do
-nothing. Each allocation shared through POSIX file descriptors is a real
-memfd (sparse, of the allocation's size), so FlashInfer's fd exchange passes
-real descriptors between the rank processes over its AF_UNIX sockets, and an
-import checks that it received a fake-cuda memfd and records its size.
-FABRIC handles are 64 bytes naming the allocation. Every driver call returns
-a CUresult as cuda-python does; a call the real driver would refuse (an
-unknown handle, an unmapped range) fails the same way and is recorded in
-`driver_errors`, and a call nothing fakes in `unfaked`.
+nothing. An allocation shared through POSIX file descriptors, and every
+multicast object, is a real memfd (sparse), so FlashInfer's fd exchange
+passes real descriptors between the rank processes over its AF_UNIX sockets.
+FABRIC handles are 64 bytes naming the allocation (and a multicast object's
+memfd, which an importer opens through /proc). A multicast object's memfd
+holds its team: the device count it was created for and each device added,
+by node (the st_dev of /dev/shm, private per simulated node) and device id.
+As CUDA documents, mapping a multicast object or binding memory to it waits
+until every device of the team was added: the call waits (`blocked` records
+it) and, after `hold_s`, raises `Held`, a BaseException that neither
+FlashInfer nor the patch catches, as the test's stand-in for killing the
+process.
 
-For example, in each rank process of a two-rank gloo `group` (0.7.4):
-
-    fake = FakeCuda(fail_alloc=rank == 1)
-    fake.install(monkeypatch)
-    comm = LoggingCommBackend(TorchDistBackend(group=group))
-    with pytest.raises(RuntimeError, match="CUDA_ERROR_OUT_OF_MEMORY"):
-        create_allreduce_fusion_workspace(
-            backend="mnnvl", world_size=2, rank=rank, max_token_num=128,
-            hidden_dim=4096, dtype=torch.bfloat16, comm_backend=comm,
-            group=group)
-    assert tuple(comm.log) == ALLOC_FAILED_CALLS["0.7.4"]["posix_fd"]
-    assert fake.live()["handles"] == 0
+Every driver and runtime call returns what cuda-python's does. A call the
+real driver would refuse (an unknown handle, an unmapped range, another
+device's memory, a device added twice) fails the same way and is recorded in
+`driver_errors`; a call nothing fakes in `unfaked`. `fail` fails any call by
+name: its n-th call on this rank (0: every one), with the CUresult a real
+driver returns for it (`FAILURES`).
 
 `flashinfer_release_path` gives a flashinfer-python release to put first on
-sys.path (or PYTHONPATH) in a rank process. `LoggingCommBackend` wraps a
-CommBackend to record, or fail, FlashInfer's calls; `COMM_CALLS` and
-`ALLOC_FAILED_CALLS` are what each release calls, which
-tests/distributed/test_fake_cuda.py checks on real gloo groups.
+sys.path (or PYTHONPATH) in a rank process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import importlib
 import importlib.metadata
 import itertools
@@ -72,7 +69,7 @@ import tempfile
 import time
 import zipfile
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,83 +85,20 @@ KERNEL_LOADERS = {
     "mnnvl": ("flashinfer.comm.trtllm_mnnvl_ar", "get_trtllm_mnnvl_comm_module"),
 }
 MEMFD_PREFIX = "fake-cuda:"
-
-# The CommBackend methods FlashInfer calls, in order, on every rank of a
-# group on one host or across hosts, by release, backend and handle type
-# (POSIX file descriptors, or FABRIC where every rank's device supports it).
-# Each allocation of 0.7.4 chooses its handle type over the group (an
-# allgather), then makes one attempt: errors of creation, the handles (the fd
-# exchange, or an allgather), errors of import. 0.7.2.post1 decides alone and
-# only exchanges the handles. mnnvl then shares its multicast object from rank
-# 0 (broadcast_fd, or a bcast). trtllm makes three allocations.
-_ALLOCATE = {
-    "0.7.4": {
-        "posix_fd": (
-            "allgather",  # choose_mnnvl_handle_type
-            *("Get_rank", "Get_size", "allgather"),  # creation errors
-            *("Get_rank", "Get_size", "allgather"),  # exchange_fds
-            "allgather",  # import errors
-        ),
-        "fabric": (
-            "allgather",  # choose_mnnvl_handle_type
-            *("Get_rank", "Get_size", "allgather"),  # creation errors
-            "allgather",  # the handles
-            "allgather",  # import errors
-        ),
-    },
-    "0.7.2.post1": {
-        "posix_fd": ("Get_rank", "Get_size", "allgather"),  # exchange_fds
-        "fabric": ("allgather",),  # the handles
-    },
+# The CUresult a real driver returns where each call fails for want of memory,
+# permission (FABRIC handles without an IMEX channel) or a device; any other
+# call fails with CUDA_ERROR_UNKNOWN. The runtime's are cudaError_t names.
+_ALLOCATING = ("cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemAlloc")
+_ALLOCATING += ("cuMulticastCreate", "cuMulticastBindMem", "cuDevicePrimaryCtxRetain")
+FAILURES = {
+    **dict.fromkeys(_ALLOCATING, "CUDA_ERROR_OUT_OF_MEMORY"),
+    "cuMemExportToShareableHandle": "CUDA_ERROR_NOT_PERMITTED",
+    "cuMemImportFromShareableHandle": "CUDA_ERROR_NOT_PERMITTED",
+    "cuMulticastAddDevice": "CUDA_ERROR_INVALID_DEVICE",
+    "cudaSetDevice": "cudaErrorInvalidDevice",
+    "cudaMalloc": "cudaErrorMemoryAllocation",
 }
-_SHARE_MULTICAST = {
-    "posix_fd": ("Get_rank", "Get_size", "allgather"),  # broadcast_fd
-    "fabric": ("bcast",),
-}
-
-
-def _comm_calls(release: str, backend: str, handles: str) -> dict[str, tuple]:
-    allocate = _ALLOCATE[release][handles]
-    if backend == "trtllm":
-        create = allocate * 3 + ("barrier",)
-        # A barrier as each allocation unmaps, then one when all have.
-        prepare = ("barrier",) * 4
-    else:
-        create = allocate + _SHARE_MULTICAST[handles] + ("barrier",)
-        prepare = ("barrier",) * 2
-    return {
-        "create": create,
-        "checkpoint_prepare": prepare,
-        "checkpoint_restore": create,
-    }
-
-
-# COMM_CALLS[release][backend][handles] maps "create" (the creation),
-# "checkpoint_prepare" (on the backend of the creation) and
-# "checkpoint_restore" (on the backend it is given) to their calls;
-# is_buffer_size_sufficient and destroy call none.
-COMM_CALLS = {
-    release: {
-        backend: {h: _comm_calls(release, backend, h) for h in ("posix_fd", "fabric")}
-        for backend in ("trtllm", "mnnvl")
-    }
-    for release in RELEASES
-}
-# What a creation calls when cuMemCreate fails on one rank of a host. In 0.7.4
-# every rank raises after the creation errors' allgather (with FABRIC handles,
-# after retrying with file descriptors); in 0.7.2.post1 the failing rank raises
-# before any call and the others wait in this last call until the group's
-# timeout. The same for either backend: it is their first allocation.
-ALLOC_FAILED_CALLS = {
-    "0.7.4": {
-        "posix_fd": _ALLOCATE["0.7.4"]["posix_fd"][:4],
-        "fabric": (
-            *_ALLOCATE["0.7.4"]["posix_fd"][:4],
-            *("Get_rank", "Get_size", "allgather"),  # the retry with fds
-        ),
-    },
-    "0.7.2.post1": _ALLOCATE["0.7.2.post1"],
-}
+_TEAM = 4096  # a multicast memfd's first bytes: its device count, then each device
 
 # Handles and addresses are unique across FakeCuda instances of a process, so
 # an object one instance made and another sees (a late destructor) is refused.
@@ -176,8 +110,9 @@ class NotFaked(RuntimeError):
     """FlashInfer called something below it that FakeCuda does not fake."""
 
 
-class InjectedCommError(Exception):
-    """Raised by LoggingCommBackend at the call it was told to fail."""
+class Held(BaseException):
+    """Ends a call blocked in the driver after `hold_s`: nothing in FlashInfer
+    or the patch catches it, as nothing can release a blocked driver call."""
 
 
 @dataclass
@@ -185,7 +120,7 @@ class _Handle:
     kind: str  # "memory" or "multicast"
     size: int
     handle_types: int
-    fd: int | None = None  # the memfd, where shared as a file descriptor
+    fd: int | None = None  # the memfd: shared as a file descriptor, or a team
     imported: bool = False
 
 
@@ -195,36 +130,28 @@ def _driver() -> Any:
     return driver
 
 
-class _Module:
-    """A module's stand-in: `calls` by name (each counted), anything else
-    with `prefix` (a CUDA or NVML call) refused, the rest the real module's."""
+def _node() -> int:
+    """This simulated node: its own /dev/shm."""
+    return os.stat("/dev/shm").st_dev
 
-    def __init__(
-        self,
-        real: Any,
-        calls: dict[str, Callable[..., Any]],
-        counter: Counter[str],
-        prefix: str | None = None,
-        unfaked: list[str] | None = None,
-        label: str = "",
-    ):
-        self._real = real
-        self._calls = calls
-        self._counter = counter
-        self._prefix = prefix
-        self._unfaked = unfaked
-        self._label = label
+
+class _Module:
+    """A module's stand-in: `calls` by name, anything else with `prefix` (a
+    CUDA or NVML call) refused, the rest the real module's."""
+
+    def __init__(self, real: Any, calls: dict, prefix: str = "", unfaked=None):
+        self._real, self._calls = real, calls
+        self._prefix, self._unfaked = prefix, unfaked
 
     def __getattr__(self, name: str) -> Any:
         if name in self._calls:
-            self._counter[self._label + name] += 1
             return self._calls[name]
-        if self._prefix is not None and name.startswith(self._prefix):
+        if self._prefix and name.startswith(self._prefix):
             assert self._unfaked is not None
-            self._unfaked.append(self._label + name)
+            self._unfaked.append(name)
 
             def refuse(*args: Any, **kwargs: Any) -> Any:
-                raise NotFaked(f"fake_cuda does not fake {self._label}{name}")
+                raise NotFaked(f"fake_cuda does not fake {name}")
 
             return refuse
         return getattr(self._real, name)
@@ -251,23 +178,29 @@ class FakeCuda:
 
     Knobs: `multicast` (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED), `fabric`
     (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, with NVML reporting a
-    completed fabric in `cluster_uuid`), `fail_alloc` (every cuMemCreate
-    fails with CUDA_ERROR_OUT_OF_MEMORY), `load_seconds` and `load_fails`
-    (each kernel loader's cold build time, and the backends whose build
-    fails), `device` (this process's device index) and `device_count`.
+    completed fabric in `cluster_uuid`), `imex` (whether FABRIC handles can be
+    made: without an IMEX channel, creating one is not permitted), `fail`
+    (see the module), `hold_s` (how long a blocked call waits before `Held`),
+    `confidential` (the GPU runs Confidential Computing), `load_seconds` and
+    `load_fails` (each kernel loader's cold build time, and the backends whose
+    build fails), `device` (this process's device) and `device_count`.
 
     Records: `kernel_loads` (backends whose loader built, in order; a failed
     build is retried, as functools.cache does not keep exceptions),
     `driver_calls` (calls by name: driver `cu*`, runtime `cuda*`, `nvml*`,
-    `torch.cuda.*`, `torch.tensor(device=cuda)`, `kernel.*`), `imports`
-    (each imported handle: transport, kind and size), `driver_errors` (calls
-    that failed, injected OOMs included) and `unfaked`. `live()` counts what
-    is still allocated. Knobs may change after install().
+    `torch.cuda.*`, `symm_mem.*`, `torch.tensor(device=cuda)`, `kernel.*`),
+    `trace` (driver and runtime calls in order), `imports` (each imported
+    handle: transport, kind and size), `driver_errors` (calls that failed,
+    injected ones included), `blocked` and `unfaked`. `live()` counts what is
+    still allocated. Knobs may change after install().
     """
 
     multicast: bool = True
     fabric: bool = False
-    fail_alloc: bool = False
+    imex: bool = True
+    fail: dict[str, int] = field(default_factory=dict)
+    hold_s: float = float("inf")
+    confidential: bool = False
     load_seconds: float = 0.0
     load_fails: set[str] = field(default_factory=set)
     device: int = 0
@@ -275,8 +208,10 @@ class FakeCuda:
     cluster_uuid: bytes = bytes(range(1, 17))
     kernel_loads: list[str] = field(default_factory=list)
     driver_calls: Counter[str] = field(default_factory=Counter)
+    trace: list[str] = field(default_factory=list)
     imports: list[tuple[str, str, int]] = field(default_factory=list)
     driver_errors: list[str] = field(default_factory=list)
+    blocked: list[str] = field(default_factory=list)
     unfaked: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -291,15 +226,14 @@ class FakeCuda:
         pytest.MonkeyPatch, whose undo() removes it."""
         import torch
         from flashinfer import cuda_utils, utils
-        from flashinfer.comm import mnnvl, trtllm_ar, trtllm_mnnvl_ar
-
-        driver = _Module(
-            _driver(),
-            self._driver_calls(),
-            self.driver_calls,
-            "cu",
-            self.unfaked,
+        from flashinfer.comm import (
+            mnnvl,
+            torch_symmetric_memory,
+            trtllm_ar,
+            trtllm_mnnvl_ar,
         )
+
+        driver = _Module(_driver(), self._driver_calls(), "cu", self.unfaked)
         patch.setattr(mnnvl, "cuda", driver)
         patch.setattr(cuda_utils, "driver", driver)
         nvml = {
@@ -308,33 +242,31 @@ class FakeCuda:
             "nvmlDeviceGetHandleByIndex": lambda index: ("fake-nvml", index),
             "nvmlDeviceGetGpuFabricInfoV": self._fabric_info,
         }
+        nvml = {name: self._counted(name, fn) for name, fn in nvml.items()}
         patch.setattr(
-            mnnvl,
-            "pynvml",
-            _Module(mnnvl.pynvml, nvml, self.driver_calls, "nvml", self.unfaked),
+            mnnvl, "pynvml", _Module(mnnvl.pynvml, nvml, "nvml", self.unfaked)
         )
         # SymmDeviceMemory imports the runtime module when it runs.
         runtime_name = (
             "cuda.cudart" if utils.has_cuda_cudart() else "cuda.bindings.runtime"
         )
         runtime = importlib.import_module(runtime_name)
-        success = runtime.cudaError_t.cudaSuccess
-        patch.setattr(
-            runtime, "cudaSetDevice", self._counted("cudaSetDevice", self._set, success)
-        )
-        ctypes_cudart = {
-            "cudaMalloc": self._cuda_malloc,
+
+        def set_device(device: int) -> tuple[Any]:
+            self._set(device)
+            return (runtime.cudaError_t.cudaSuccess,)
+
+        patch.setattr(runtime, "cudaSetDevice", self._call("cudaSetDevice", set_device))
+        cudart = {
+            "cudaMalloc": lambda size: ctypes.c_void_p(int(self._mem_alloc(size)[1])),
             "cudaFree": lambda ptr: self._allocated.pop(_address(ptr), None),
             "cudaMemset": lambda ptr, value, count: None,
             "cudaMemcpy": lambda dst, src, count: None,
             "cudaSetDevice": self._set,
             "cudaDeviceSynchronize": lambda: None,
         }
-        patch.setattr(
-            trtllm_ar,
-            "cudart",
-            _Module(None, ctypes_cudart, self.driver_calls, "cuda", self.unfaked),
-        )
+        cudart = {name: self._call(name, fn, True) for name, fn in cudart.items()}
+        patch.setattr(trtllm_ar, "cudart", _Module(None, cudart, "cuda", self.unfaked))
         for name, fn in {
             "current_device": lambda: self.device,
             "device_count": lambda: self.device_count,
@@ -342,18 +274,21 @@ class FakeCuda:
             "synchronize": lambda device=None: None,
         }.items():
             patch.setattr(torch.cuda, name, self._counted(f"torch.cuda.{name}", fn))
-        host = _Module(torch, {"tensor": self._host_tensor}, Counter())
+        host = _Module(torch, {"tensor": self._host_tensor})
         for module in (trtllm_ar, trtllm_mnnvl_ar):
             patch.setattr(module, "torch", host)
+        symm_mem = {"empty": self._symm_empty, "rendezvous": self._rendezvous}
+        symm_mem = {n: self._counted(f"symm_mem.{n}", f) for n, f in symm_mem.items()}
+        patch.setattr(torch_symmetric_memory, "symm_mem", _Module(None, symm_mem))
         for backend, (module_name, loader) in KERNEL_LOADERS.items():
             module = importlib.import_module(module_name)
             patch.setattr(module, loader, self._loader(backend))
         # Creation asks NVML whether the GPU runs Confidential Computing
         # (flashinfer.utils.is_confidential_compute, cached) where
         # torch.cuda.is_available(), which the faked device_count makes true
-        # under PYTORCH_NVML_BASED_CUDA_CHECK (vLLM sets it): FlashInfer's own
-        # override gives a plain GPU's answer.
-        patch.setenv("FLASHINFER_CONFIDENTIAL_COMPUTE", "0")
+        # under PYTORCH_NVML_BASED_CUDA_CHECK (vLLM sets it).
+        patch.setenv("FLASHINFER_CONFIDENTIAL_COMPUTE", str(int(self.confidential)))
+        utils.is_confidential_compute.cache_clear()
 
     def live(self) -> dict[str, int]:
         """What is still allocated: handles (this process's and imported),
@@ -372,13 +307,39 @@ class FakeCuda:
     def _set(self, device: Any) -> None:
         self.device = device if isinstance(device, int) else device.index
 
-    def _counted(self, name: str, fn: Callable[..., Any], status: Any = None):
+    def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             self.driver_calls[name] += 1
-            result = fn(*args, **kwargs)
-            return result if status is None else (status,)
+            return fn(*args, **kwargs)
 
         return call
+
+    def _call(self, name: str, fn: Callable, raises: bool = False) -> Callable:
+        """A driver or runtime call: counted, traced, failed where `fail` says
+        so, and its error recorded; `raises` for libcudart's ctypes wrapper
+        (flashinfer.comm.cuda_ipc), which raises an error it returns."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.driver_calls[name] += 1
+            self.trace.append(name)
+            if self.fail.get(name) in (0, self.driver_calls[name]):
+                result: Any = self._failure(name)
+            else:
+                result = fn(*args, **kwargs)
+            status = result[0] if isinstance(result, tuple) else None
+            if status is not None and status.value:
+                self.driver_errors.append(f"{name}: {status.name}")
+                if raises:
+                    raise RuntimeError(f"CUDART error: {status.name}")
+            return result
+
+        return call
+
+    def _failure(self, name: str) -> tuple[Any, ...]:
+        if name.startswith("cuda"):
+            errors = importlib.import_module("cuda.bindings.runtime").cudaError_t
+            return (getattr(errors, FAILURES.get(name, "cudaErrorUnknown")),)
+        return self._error(FAILURES.get(name, "CUDA_ERROR_UNKNOWN"))
 
     def _host_tensor(self, data: Any, *args: Any, device: Any = None, **kw: Any):
         import torch
@@ -387,6 +348,33 @@ class FakeCuda:
             self.driver_calls["torch.tensor(device=cuda)"] += 1
             device = "cpu"
         return torch.tensor(data, *args, device=device, **kw)
+
+    def _symm_empty(self, numel: int, dtype: Any, device: Any = None) -> Any:
+        import torch
+
+        tensor = torch.empty(numel, dtype=dtype)
+        self._allocated[tensor.data_ptr()] = tensor.nbytes
+        return tensor
+
+    def _rendezvous(self, tensor: Any, group: Any) -> Any:
+        """Every rank's buffer address, exchanged on the group as torch's
+        rendezvous exchanges its IPC handles."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group) if isinstance(group, str) else group
+        addresses: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(addresses, tensor.data_ptr(), group=group)
+
+        class Buffer:
+            def __init__(self, address: int):
+                self.data_ptr = lambda: address
+
+        class Handle:
+            def get_buffer(self, peer: int, *args: Any, **kwargs: Any) -> Buffer:
+                return Buffer(addresses[peer])
+
+        return Handle()
 
     def _fabric_info(self, handle: Any, info: Any) -> int:
         import pynvml
@@ -413,11 +401,6 @@ class FakeCuda:
             return self._loaded[backend]
 
         return load
-
-    def _cuda_malloc(self, size: int) -> ctypes.c_void_p:
-        ptr = self._new_address()
-        self._allocated[ptr] = size
-        return ctypes.c_void_p(ptr)
 
     @staticmethod
     def _new_address() -> int:
@@ -453,10 +436,10 @@ class FakeCuda:
             "cuMemAddressFree": self._free_address,
             "cuMemMap": self._map,
             "cuMemUnmap": self._unmap,
-            "cuMemSetAccess": lambda ptr, size, descs, count: (ok,),
-            "cuMulticastAddDevice": self._multicast_op,
-            "cuMulticastBindMem": self._multicast_op,
-            "cuMulticastUnbind": self._multicast_op,
+            "cuMemSetAccess": self._set_access,
+            "cuMulticastAddDevice": self._add_device,
+            "cuMulticastBindMem": self._bind,
+            "cuMulticastUnbind": lambda handle, *a: (self._multicast(handle)[0],),
             "cuMemAlloc": self._mem_alloc,
             "cuMemFree": self._mem_free,
         }
@@ -464,16 +447,7 @@ class FakeCuda:
             calls[name] = lambda ptr, value, count: (ok,)
         for name in ("cuMemcpyHtoD", "cuMemcpyDtoH"):
             calls[name] = lambda dst, src, count: (ok,)
-        return {name: self._checked(name, fn) for name, fn in calls.items()}
-
-    def _checked(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            result = fn(*args, **kwargs)
-            if result[0].value:
-                self.driver_errors.append(f"{name}: {result[0].name}")
-            return result
-
-        return call
+        return {name: self._call(name, fn) for name, fn in calls.items()}
 
     @staticmethod
     def _error(name: str) -> tuple[Any, None]:
@@ -505,26 +479,32 @@ class FakeCuda:
 
     def _new_handle(self, kind: str, size: int, handle_types: Any) -> Any:
         cuda = _driver()
+        types = cuda.CUmemAllocationHandleType
         if size <= 0 or size % GRANULARITY:
             return self._error("CUDA_ERROR_INVALID_VALUE")
+        if int(handle_types) & int(types.CU_MEM_HANDLE_TYPE_FABRIC) and not self.imex:
+            return self._error("CUDA_ERROR_NOT_PERMITTED")
         handle = next(_handles)
-        self._handles[handle] = _Handle(kind, size, int(handle_types))
-        posix = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        if int(handle_types) & int(posix):
-            fd = os.memfd_create(f"{MEMFD_PREFIX}{kind}")
-            os.ftruncate(fd, size)  # sparse: no memory is used
-            self._handles[handle].fd = fd
+        entry = self._handles[handle] = _Handle(kind, size, int(handle_types))
+        posix = int(types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        if int(handle_types) & posix or kind == "multicast":
+            entry.fd = os.memfd_create(f"{MEMFD_PREFIX}{kind}")
+            os.ftruncate(entry.fd, max(size, _TEAM))  # sparse: no memory is used
         return cuda.CUresult.CUDA_SUCCESS, cuda.CUmemGenericAllocationHandle(handle)
 
     def _create(self, size: int, prop: Any, flags: int) -> tuple[Any, Any]:
-        if self.fail_alloc:
-            return self._error("CUDA_ERROR_OUT_OF_MEMORY")
+        if prop.location.id != self.device:
+            return self._error("CUDA_ERROR_INVALID_DEVICE")
         return self._new_handle("memory", size, prop.requestedHandleTypes)
 
     def _multicast_create(self, prop: Any) -> tuple[Any, Any]:
         if not self.multicast:
             return self._error("CUDA_ERROR_NOT_SUPPORTED")
-        return self._new_handle("multicast", prop.size, prop.handleTypes)
+        result = self._new_handle("multicast", prop.size, prop.handleTypes)
+        if not result[0].value:
+            fd = self._handles[int(result[1])].fd
+            os.pwrite(fd, int(prop.numDevices).to_bytes(8, "little"), 0)
+        return result
 
     def _export(self, handle: Any, handle_type: Any, flags: int) -> tuple[Any, Any]:
         cuda = _driver()
@@ -534,9 +514,7 @@ class FakeCuda:
         ok = cuda.CUresult.CUDA_SUCCESS
         if handle_type == cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC:
             fabric = cuda.CUmemFabricHandle()
-            name = (
-                f"{MEMFD_PREFIX}{entry.kind}:{entry.size}:{os.getpid()}:{int(handle)}"
-            )
+            name = f"{MEMFD_PREFIX}{entry.kind}:{entry.size}:{os.getpid()}:{entry.fd}"
             fabric.data = name.encode().ljust(64, b"\0")
             return ok, fabric
         assert entry.fd is not None
@@ -552,6 +530,8 @@ class FakeCuda:
             if not data.startswith(MEMFD_PREFIX.encode()) or len(fields) != 5:
                 return self._error("CUDA_ERROR_INVALID_VALUE")
             kind, size, transport = fields[1], int(fields[2]), "fabric"
+            if kind == "multicast":  # its team, in the exporter's memfd
+                fd = os.open(f"/proc/{fields[3]}/fd/{fields[4]}", os.O_RDWR)
         else:
             try:
                 target = os.readlink(f"/proc/self/fd/{int(shareable)}")
@@ -602,6 +582,8 @@ class FakeCuda:
             or not self._within_reservation(ptr, size)
         ):
             return (self._error("CUDA_ERROR_INVALID_VALUE")[0],)
+        if entry.kind == "multicast":
+            self._wait_for_team("cuMemMap", entry)
         self._mapped[ptr] = size
         return (_driver().CUresult.CUDA_SUCCESS,)
 
@@ -611,11 +593,57 @@ class FakeCuda:
         del self._mapped[_address(ptr)]
         return (_driver().CUresult.CUDA_SUCCESS,)
 
-    def _multicast_op(self, handle: Any, *args: Any) -> tuple[Any]:
-        entry = self._handles.get(int(handle))
-        if entry is None or entry.kind != "multicast":
+    def _set_access(self, ptr: Any, size: int, descs: Any, count: int):
+        start = _address(ptr)
+        mapped = any(s <= start < s + n for s, n in self._mapped.items())
+        if not mapped or any(d.location.id != self.device for d in descs[:count]):
             return (self._error("CUDA_ERROR_INVALID_VALUE")[0],)
         return (_driver().CUresult.CUDA_SUCCESS,)
+
+    def _multicast(self, handle: Any) -> tuple[Any, _Handle | None]:
+        entry = self._handles.get(int(handle))
+        if entry is None or entry.kind != "multicast":
+            return self._error("CUDA_ERROR_INVALID_VALUE")
+        return _driver().CUresult.CUDA_SUCCESS, entry
+
+    def _team(self, entry: _Handle) -> tuple[int, set[bytes]]:
+        """The device count a multicast object was made for, and those added."""
+        assert entry.fd is not None
+        data = os.pread(entry.fd, _TEAM, 0)
+        added = {data[i : i + 16] for i in range(8, _TEAM - 15, 16)}
+        return int.from_bytes(data[:8], "little"), added - {bytes(16)}
+
+    def _add_device(self, handle: Any, device: Any) -> tuple[Any]:
+        status, entry = self._multicast(handle)
+        if entry is None:
+            return (status,)
+        me = _node().to_bytes(8, "little") + (int(device) + 1).to_bytes(8, "little")
+        with _locked(entry.fd):
+            count, added = self._team(entry)
+            if int(device) != self.device or me in added or len(added) >= count:
+                return (self._error("CUDA_ERROR_INVALID_DEVICE")[0],)
+            os.pwrite(entry.fd, me, 8 + 16 * len(added))
+        return (status,)
+
+    def _wait_for_team(self, name: str, entry: _Handle) -> None:
+        """CUDA: mapping a multicast object, or binding memory to it, waits
+        until every device of its team was added."""
+        count, added = self._team(entry)
+        if len(added) >= count:
+            return
+        self.blocked.append(name)
+        until = time.monotonic() + self.hold_s
+        while len(self._team(entry)[1]) < count:
+            if time.monotonic() > until:
+                raise Held(f"{name} waited {self.hold_s} s for the multicast team")
+            time.sleep(0.005)
+
+    def _bind(self, handle: Any, offset: int, memory: Any, *args: Any):
+        status, entry = self._multicast(handle)
+        if entry is None or int(memory) not in self._handles:
+            return (self._error("CUDA_ERROR_INVALID_VALUE")[0],)
+        self._wait_for_team("cuMulticastBindMem", entry)
+        return (status,)
 
     def _mem_alloc(self, size: int) -> tuple[Any, Any]:
         ptr = self._new_address()
@@ -626,6 +654,15 @@ class FakeCuda:
         if self._allocated.pop(_address(ptr), None) is None:
             return (self._error("CUDA_ERROR_INVALID_VALUE")[0],)
         return (_driver().CUresult.CUDA_SUCCESS,)
+
+
+@contextlib.contextmanager
+def _locked(fd: int) -> Any:
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN)
 
 
 def _address(ptr: Any) -> int:
@@ -644,46 +681,6 @@ def open_memfds() -> list[str]:
             if target.startswith(f"/memfd:{MEMFD_PREFIX}"):
                 found.append(target)
     return found
-
-
-class LoggingCommBackend:
-    """A FlashInfer CommBackend around another, logging each method called
-    into `log` (shared with the backends Split makes) and raising
-    InjectedCommError instead of making the `fail_at`-th call (1-based,
-    counted over `log`)."""
-
-    def __init__(
-        self, inner: Any, log: list[str] | None = None, fail_at: int | None = None
-    ):
-        self.inner = inner
-        self.log = [] if log is None else log
-        self.fail_at = fail_at
-
-    def _call(self, name: str, *args: Any) -> Any:
-        self.log.append(name)
-        if len(self.log) == self.fail_at:
-            raise InjectedCommError(f"injected failure of call {self.fail_at}: {name}")
-        return getattr(self.inner, name)(*args)
-
-    def Get_rank(self) -> int:
-        return self._call("Get_rank")
-
-    def Get_size(self) -> int:
-        return self._call("Get_size")
-
-    def allgather(self, data: Any) -> Sequence[Any]:
-        return self._call("allgather", data)
-
-    def bcast(self, data: Any, root: int) -> Any:
-        return self._call("bcast", data, root)
-
-    def barrier(self) -> None:
-        self._call("barrier")
-
-    def Split(self, color: int, key: int) -> LoggingCommBackend:
-        return LoggingCommBackend(
-            self._call("Split", color, key), self.log, self.fail_at
-        )
 
 
 def flashinfer_release_path(version: str) -> Path | None:

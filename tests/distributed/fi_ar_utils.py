@@ -618,6 +618,8 @@ def _run_rank(rank: int, spec_path: str) -> None:
         )
     out = Path(spec["out"], f"rank{rank}.jsonl")
     for case in spec["cases"]:
+        # Each rank its own device, numbered on its node.
+        case = {**case, "device": rank % spec["ranks_per_node"]}
         result = _run_case(rank, case, Path(spec["out"]))
         with out.open("a") as f:
             f.write(json.dumps(result) + "\n")
@@ -694,7 +696,8 @@ def _run_case(rank: int, case: dict[str, Any], tmp: Path) -> dict[str, Any]:
         group = _case_group(case)
         pin_gpu(patch, case.get("capability", 100), case.get("nvlink", True))
         if "cuda" in case:
-            _install_cuda(patch, case["cuda"], fi_ar, factory, result)
+            knobs = {"device": case["device"], **case["cuda"]}
+            _install_cuda(patch, knobs, fi_ar, factory, result)
         else:
             device.install(patch)
             patch.setattr(
@@ -793,6 +796,7 @@ def _install_cuda(
     cuda = FakeCuda(**knobs)
     cuda.install(patch)
     result["kernel_loads"] = cuda.kernel_loads
+    result["driver_calls"] = cuda.driver_calls
     create = fi_ar.flashinfer_comm.create_allreduce_fusion_workspace
 
     def recorded(**kwargs: Any) -> Any:

@@ -8,14 +8,16 @@ CUDA with fake_cuda instead of faking FlashInfer's constructor, so this
 proves the fake is enough for FlashInfer's Python in flashinfer-python 0.7.4
 (installed) and 0.7.2.post1 (downloaded, see flashinfer_release_path), and
 pins what the patch's steps rely on: the comm backend calls of each release
-and backend (fake_cuda.COMM_CALLS), what each rank sees when an allocation
-fails on one rank or the device has no multicast, that a comm backend call
-that raises (a step's exchange once its rank left) propagates, and what is
-left behind.
+and backend (COMM_CALLS), what each rank sees when an allocation fails on
+one rank or the device has no multicast, that a comm backend call that
+raises (a step's exchange once its rank left) propagates, and what is left
+behind; and, in process, the fake's failure rule and multicast team.
 
 Run as a script, this file is one rank: it runs the cases of its spec and
 writes one JSON line per case.
 """
+
+from __future__ import annotations
 
 import contextlib
 import gc
@@ -30,19 +32,13 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_cuda import (
-    ALLOC_FAILED_CALLS,
-    COMM_CALLS,
-    RELEASES,
-    FakeCuda,
-    LoggingCommBackend,
-    open_memfds,
-)
+from fake_cuda import RELEASES, FakeCuda, open_memfds
 from fi_ar_utils import _wait_all, free_port, namespaces_unavailable
 
 HERE = Path(__file__).resolve()
@@ -52,6 +48,128 @@ HIDDEN_DIM = 4096
 # A gloo group's timeout where a rank is expected to wait for a peer that
 # left: how long the waiting rank takes to give up.
 HANG_S = 2
+# The CommBackend methods FlashInfer calls, in order, on every rank of a
+# group on one host or across hosts, by release, backend and handle type
+# (POSIX file descriptors, or FABRIC where every rank's device supports it).
+# Each allocation of 0.7.4 chooses its handle type over the group (an
+# allgather), then makes one attempt: errors of creation, the handles (the fd
+# exchange, or an allgather), errors of import. 0.7.2.post1 decides alone and
+# only exchanges the handles. mnnvl then shares its multicast object from rank
+# 0 (broadcast_fd, or a bcast). trtllm makes three allocations.
+_ALLOCATE = {
+    "0.7.4": {
+        "posix_fd": (
+            "allgather",  # choose_mnnvl_handle_type
+            *("Get_rank", "Get_size", "allgather"),  # creation errors
+            *("Get_rank", "Get_size", "allgather"),  # exchange_fds
+            "allgather",  # import errors
+        ),
+        "fabric": (
+            "allgather",  # choose_mnnvl_handle_type
+            *("Get_rank", "Get_size", "allgather"),  # creation errors
+            "allgather",  # the handles
+            "allgather",  # import errors
+        ),
+    },
+    "0.7.2.post1": {
+        "posix_fd": ("Get_rank", "Get_size", "allgather"),  # exchange_fds
+        "fabric": ("allgather",),  # the handles
+    },
+}
+_SHARE_MULTICAST = {
+    "posix_fd": ("Get_rank", "Get_size", "allgather"),  # broadcast_fd
+    "fabric": ("bcast",),
+}
+
+
+def _comm_calls(release: str, backend: str, handles: str) -> dict[str, tuple]:
+    allocate = _ALLOCATE[release][handles]
+    if backend == "trtllm":
+        create = allocate * 3 + ("barrier",)
+        # A barrier as each allocation unmaps, then one when all have.
+        prepare = ("barrier",) * 4
+    else:
+        create = allocate + _SHARE_MULTICAST[handles] + ("barrier",)
+        prepare = ("barrier",) * 2
+    return {
+        "create": create,
+        "checkpoint_prepare": prepare,
+        "checkpoint_restore": create,
+    }
+
+
+# COMM_CALLS[release][backend][handles] maps "create" (the creation),
+# "checkpoint_prepare" (on the backend of the creation) and
+# "checkpoint_restore" (on the backend it is given) to their calls;
+# is_buffer_size_sufficient and destroy call none.
+COMM_CALLS = {
+    release: {
+        backend: {h: _comm_calls(release, backend, h) for h in ("posix_fd", "fabric")}
+        for backend in ("trtllm", "mnnvl")
+    }
+    for release in RELEASES
+}
+# What a creation calls when cuMemCreate fails on one rank of a host. In 0.7.4
+# every rank raises after the creation errors' allgather (with FABRIC handles,
+# after retrying with file descriptors); in 0.7.2.post1 the failing rank raises
+# before any call and the others wait in this last call until the group's
+# timeout. The same for either backend: it is their first allocation.
+ALLOC_FAILED_CALLS = {
+    "0.7.4": {
+        "posix_fd": _ALLOCATE["0.7.4"]["posix_fd"][:4],
+        "fabric": (
+            *_ALLOCATE["0.7.4"]["posix_fd"][:4],
+            *("Get_rank", "Get_size", "allgather"),  # the retry with fds
+        ),
+    },
+    "0.7.2.post1": _ALLOCATE["0.7.2.post1"],
+}
+
+
+class InjectedCommError(Exception):
+    """Raised by LoggingCommBackend at the call it was told to fail."""
+
+
+class LoggingCommBackend:
+    """A FlashInfer CommBackend around another, logging each method called
+    into `log` (shared with the backends Split makes) and raising
+    InjectedCommError instead of making the `fail_at`-th call (1-based,
+    counted over `log`)."""
+
+    def __init__(
+        self, inner: Any, log: list[str] | None = None, fail_at: int | None = None
+    ):
+        self.inner = inner
+        self.log = [] if log is None else log
+        self.fail_at = fail_at
+
+    def _call(self, name: str, *args: Any) -> Any:
+        self.log.append(name)
+        if len(self.log) == self.fail_at:
+            raise InjectedCommError(f"injected failure of call {self.fail_at}: {name}")
+        return getattr(self.inner, name)(*args)
+
+    def Get_rank(self) -> int:
+        return self._call("Get_rank")
+
+    def Get_size(self) -> int:
+        return self._call("Get_size")
+
+    def allgather(self, data: Any) -> Sequence[Any]:
+        return self._call("allgather", data)
+
+    def bcast(self, data: Any, root: int) -> Any:
+        return self._call("bcast", data, root)
+
+    def barrier(self) -> None:
+        self._call("barrier")
+
+    def Split(self, color: int, key: int) -> LoggingCommBackend:
+        return LoggingCommBackend(
+            self._call("Split", color, key), self.log, self.fail_at
+        )
+
+
 PHASES = (
     "create",
     "is_buffer_size_sufficient",
@@ -310,7 +428,7 @@ def _cases(release: str, nodes: int) -> list[dict[str, Any]]:
                 {
                     "name": f"{backend}-alloc-fails-on-rank-1{suffix}",
                     **knobs,
-                    "per_rank": {"1": {"fail_alloc": True}},
+                    "per_rank": {"1": {"fail": {"cuMemCreate": 0}}},
                     "timeout": HANG_S,
                 }
             )
@@ -592,10 +710,10 @@ def test_in_process(cpu_group):
                 comm_backend=TorchDistBackend(group=cpu_group),
             )
 
-        fake.fail_alloc = True
+        fake.fail = {"cuMemCreate": 0}
         with pytest.raises(RuntimeError, match="CUDA_ERROR_OUT_OF_MEMORY"):
             create()
-        fake.fail_alloc = False
+        fake.fail = {}
         ws = create()
         assert ws.workspace_tensor.device.type == "cpu"
         assert fake.driver_calls["torch.tensor(device=cuda)"] == 1
@@ -623,3 +741,50 @@ def test_in_process(cpu_group):
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], int(sys.argv[2]))
+
+
+def test_a_failure_at_any_call_and_the_multicast_team():
+    """`fail` fails a call by name at its n-th call, with CUDA's own error;
+    another device's memory and a device added twice are refused; mapping a
+    multicast object waits until its whole team was added, then is held."""
+    from cuda.bindings import driver as cuda
+    from fake_cuda import GRANULARITY, Held
+    from flashinfer.comm import mnnvl, trtllm_ar
+
+    posix = cuda.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    errors = cuda.CUresult
+    fake = FakeCuda(device=1, fail={"cuMemCreate": 2, "cudaMalloc": 0}, hold_s=0.2)
+    patch = pytest.MonkeyPatch()
+    fake.install(patch)
+    try:
+        driver = mnnvl.cuda
+        prop = cuda.CUmemAllocationProp()
+        prop.location.id, prop.requestedHandleTypes = 1, posix
+        created = [driver.cuMemCreate(GRANULARITY, prop, 0)[0] for _ in range(3)]
+        ok, invalid_device = errors.CUDA_SUCCESS, errors.CUDA_ERROR_INVALID_DEVICE
+        assert created == [ok, errors.CUDA_ERROR_OUT_OF_MEMORY, ok]
+        prop.location.id = 0
+        refused = driver.cuMemCreate(GRANULARITY, prop, 0)[0]
+        assert refused == invalid_device
+        with pytest.raises(RuntimeError, match="cudaErrorMemoryAllocation"):
+            trtllm_ar.cudart.cudaMalloc(20)
+        team = cuda.CUmulticastObjectProp()
+        team.numDevices, team.size, team.handleTypes = 2, GRANULARITY, posix
+        _, multicast = driver.cuMulticastCreate(team)
+        added = [driver.cuMulticastAddDevice(multicast, d)[0] for d in (0, 1, 1)]
+        assert added == [invalid_device, ok, invalid_device]
+        _, ptr = driver.cuMemAddressReserve(GRANULARITY, 0, 0, 0)
+        with pytest.raises(Held):
+            driver.cuMemMap(ptr, GRANULARITY, 0, multicast, 0)
+        # The peer on device 0 imports the object's fd and joins: no wait.
+        peer = FakeCuda(device=0)._driver_calls()
+        _, fd = driver.cuMemExportToShareableHandle(multicast, posix, 0)
+        _, imported = peer["cuMemImportFromShareableHandle"](fd, posix)
+        os.close(fd)
+        assert peer["cuMulticastAddDevice"](imported, 0)[0] == ok
+        mapped = driver.cuMemMap(ptr, GRANULARITY, 0, multicast, 0)[0]
+        assert mapped == ok and fake.blocked == ["cuMemMap"]
+        assert fake.trace.count("cuMemCreate") == 4
+        peer["cuMemRelease"](imported)
+    finally:
+        patch.undo()

@@ -25,7 +25,12 @@ def two_ranks() -> list[dict[str, dict[str, Any]]]:
             {
                 "name": "oom-on-rank-1",
                 "cuda": {},
-                "per_rank": {"1": {"cuda": {"fail_alloc": True}}},
+                "per_rank": {"1": {"cuda": {"fail": {"cuMemCreate": 0}}}},
+            },
+            {
+                "name": "confidential",
+                "cuda": {"confidential": True},
+                "checkpoint": True,
             },
             {
                 "name": "trtllm-fusion-first",
@@ -78,6 +83,22 @@ def test_an_out_of_memory_on_one_rank_ends_the_same_on_both(two_ranks):
     assert not _warnings(results[1])
 
 
+def test_confidential_computing_falls_back_to_trtllm_on_symmetric_memory(two_ranks):
+    """Under Confidential Computing FlashInfer refuses mnnvl on every rank, and
+    trtllm's creation takes torch symmetric memory: its rendezvous and last
+    barrier are collectives on vLLM's group itself, outside the step's
+    exchanges; sleep mode leaves it resident."""
+    results = every_rank(two_ranks, "confidential")
+    for r in results:
+        assert r["workspace"] == r["quant"] == "trtllm" and r["checkpoint"] == "ok"
+        calls = r["driver_calls"]
+        assert calls["symm_mem.empty"] == calls["symm_mem.rendezvous"] == 3
+        assert "cuMemCreate" not in calls
+    [line] = _warnings(results[0])
+    assert "Confidential Computing is not supported" in line
+    assert line.endswith("falls back to trtllm.") and not _warnings(results[1])
+
+
 def test_the_fusion_pass_creates_first_and_checkpoints(two_ranks):
     """The fusion pass's call is the group's first: it agrees and creates;
     the standalone all-reduce built after uses that workspace, and sleep
@@ -127,7 +148,7 @@ def vllm_groups() -> list[dict[str, dict[str, Any]]]:
                 "cuda": {},
                 "tp_pp": [2, 2],
                 "world_group_after": 30,
-                "per_rank": {"3": {"cuda": {"fail_alloc": True}}},
+                "per_rank": {"3": {"cuda": {"fail": {"cuMemCreate": 0}}}},
             },
             {
                 "name": "tp4-not-all-nvlink",
