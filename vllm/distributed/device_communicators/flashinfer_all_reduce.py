@@ -449,6 +449,7 @@ class FlashInferAllReduce:
             else int(default_max_size_mb * MiB)
         )
         self.max_num_tokens = 0
+        self.fusion_max_size = int(default_max_size_mb * MiB)  # the fusion pass's
         self.disabled = False
 
     def _ensure_workspace(self, hidden_dim: int, dtype: torch.dtype) -> bool:
@@ -457,14 +458,11 @@ class FlashInferAllReduce:
         if self.max_num_tokens == 0:
             self.resolved_backend = _resolve_fi_ar_backend(self.group, dtype)
             self.max_num_tokens = self.max_workspace_size // row_size
-        max_size_mb = PassConfig.default_fi_allreduce_fusion_max_size_mb()
         workspace = get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
             # mnnvl's tuned size is not trtllm's, which it may fall back to.
-            max_token_num=min(
-                self.max_num_tokens, int(max_size_mb[self.world_size] * MiB) // row_size
-            ),
+            max_token_num=min(self.max_num_tokens, self.fusion_max_size // row_size),
             hidden_dim=hidden_dim,
             dtype=dtype,
             group=self.group,
