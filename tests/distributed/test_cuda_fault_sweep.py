@@ -70,12 +70,11 @@ PHASES = ("create", "checkpoint_prepare", "checkpoint_restore")
 TIMEOUT_S = 600  # the whole sweep, killed with its ranks
 
 
-def configs(release: str) -> list[tuple[str, str]]:
-    """(backend, how ranks share memory). FABRIC without an IMEX channel falls
-    back to file descriptors in 0.7.4 and raises in 0.7.2.post1; FlashInfer
-    refuses mnnvl under Confidential Computing, where trtllm's rendezvous and
-    last barrier are collectives on the group itself."""
-    return [(b, s) for b in ("trtllm", "mnnvl") for s in SHARING]
+# (backend, how ranks share memory), in each release. FABRIC without an IMEX
+# channel falls back to file descriptors in 0.7.4 and raises in 0.7.2.post1;
+# FlashInfer refuses mnnvl under Confidential Computing, where trtllm's
+# rendezvous and last barrier are collectives on the group itself.
+CONFIGS = [(b, s) for b in ("trtllm", "mnnvl") for s in SHARING]
 
 
 def _fault_cases(config: int, traces: list[list[str]], rounds: list[int]):
@@ -100,7 +99,7 @@ class _Completed:
     `extra_barrier`, the creation makes one more exchange before it returns."""
 
     def __init__(self, patch: Any, fi_comm: Any, extra_barrier: bool):
-        self.phases: dict[str, bool] = {}
+        self.phases: dict[str, bool | str] = {}
         create = fi_comm.create_allreduce_fusion_workspace
 
         def created(**kwargs: Any) -> Any:
@@ -150,7 +149,7 @@ def _miscount(patch: Any, step_cls: Any, kind: str, k: int) -> None:
     patch.setattr(step_cls, "exchange", miscounted)
 
 
-def _run_case(rank: int, case: dict, group: Any, release: str, config: Any) -> dict:
+def _run_case(rank: int, case: dict, group: Any, config: Any) -> dict:
     """get_fi_ar_workspace, then (where kept) checkpoint_prepare and
     checkpoint_restore, as a worker and sleep mode call them."""
     import torch
@@ -160,7 +159,7 @@ def _run_case(rank: int, case: dict, group: Any, release: str, config: Any) -> d
 
     fi_ar = sys.modules[MODULE]
     backend_module = sys.modules[BACKEND_MODULE]
-    backend, sharing = configs(release)[case["config"]]
+    backend, sharing = CONFIGS[case["config"]]
     mine = case.get("rank") == rank
     patch = pytest.MonkeyPatch()
     patch.setenv(ENV, backend)
@@ -314,7 +313,7 @@ def _rank_main(release: str, spec: dict, rank: int, config: Any) -> None:
         dist.barrier()  # every rank has ended the last case
         keys = store.num_keys()
         dist.barrier()  # cases start together, as engines do
-        result = _run_case(rank, case, groups[case["config"]], release, config)
+        result = _run_case(rank, case, groups[case["config"]], config)
         result["keys_before"] = keys
         with out.open("a") as f:
             f.write(json.dumps(result) + "\n")
@@ -345,7 +344,7 @@ def _start(release: str, tmp: str) -> subprocess.Popen:
             filter(None, [str(path), env.get("PYTHONPATH")])
         )
     groups = []
-    for config in range(len(configs(release))):
+    for config in range(len(CONFIGS)):
         out = Path(tmp, str(config))
         out.mkdir()
         groups.append({"configs": [config], "port": free_port(), "out": str(out)})
@@ -368,7 +367,7 @@ def sweep() -> dict[str, Any]:
             started[release] = tmp, _start(release, tmp)
         _wait_all([proc for _, proc in started.values()], TIMEOUT_S)
         for release, (tmp, _) in started.items():
-            for config in range(len(configs(release))):
+            for config in range(len(CONFIGS)):
                 results[release, config] = [
                     [json.loads(line) for line in path.read_text().splitlines()]
                     for path in (
@@ -437,7 +436,7 @@ def test_the_sweep_reaches_every_path(sweep):
     driver. Prints the sweep's size."""
     print(f"\nthe sweep: {sweep['seconds']:.0f} s")
     for (release, config), ranks in sweep["results"].items():
-        backend, sharing = configs(release)[config]
+        backend, sharing = CONFIGS[config]
         clean, *faults = _cases(ranks)
         ends = Counter(
             ("every rank blocked" if "held" in a and "held" in b else "held")
