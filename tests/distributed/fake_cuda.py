@@ -250,7 +250,7 @@ class FakeCuda:
         runtime_name = (
             "cuda.cudart" if utils.has_cuda_cudart() else "cuda.bindings.runtime"
         )
-        runtime = importlib.import_module(runtime_name)
+        runtime = self._runtime = importlib.import_module(runtime_name)
 
         def set_device(device: int) -> tuple[Any]:
             self._set(device)
@@ -337,7 +337,7 @@ class FakeCuda:
 
     def _failure(self, name: str) -> tuple[Any, ...]:
         if name.startswith("cuda"):
-            errors = importlib.import_module("cuda.bindings.runtime").cudaError_t
+            errors = self._runtime.cudaError_t  # the module install() patched
             return (getattr(errors, FAILURES.get(name, "cudaErrorUnknown")),)
         return self._error(FAILURES.get(name, "CUDA_ERROR_UNKNOWN"))
 
