@@ -51,7 +51,36 @@ def test_the_bound_is_vllms_cpu_group_timeout(fi_ar, cpu_group, seconds):
     config.parallel_config.cpu_distributed_timeout_seconds = seconds
     backend = importlib.import_module(BACKEND_MODULE)
     expected = timedelta(seconds=seconds) if seconds else dist.default_pg_timeout
-    assert backend.agreed(cpu_group, config).bound_s == expected.total_seconds()
+    assert backend.agreed(cpu_group, config).bound_s() == expected.total_seconds()
+
+
+def test_the_bound_is_read_at_each_step(fi_ar, cpu_group, monkeypatch):
+    """Under fault tolerance vLLM applies its CPU groups' configured timeout
+    only once start-up is over (activate_cpu_group_timeouts): a step after
+    that is bounded by it, not by the timeout current at the first step."""
+    config = build_config()
+    config.parallel_config.cpu_distributed_timeout_seconds = 20
+    monkeypatch.setattr(config.parallel_config, "enable_fault_tolerance", True)
+    utils = importlib.import_module("vllm.distributed.utils")
+    monkeypatch.setattr(utils, "_steady_state_entered", False)
+    backend = importlib.import_module(BACKEND_MODULE)
+    bounds = []
+
+    class RecordedStep:
+        nonce, speaker = "", 0
+
+        def __init__(self, store, ranks, rank, what, bound_s, last=""):
+            bounds.append(bound_s)
+
+        def run(self, body):
+            return backend.Outcome.KEEP, "", body(), None
+
+    monkeypatch.setattr(backend, "Step", RecordedStep)
+    fi = backend.agreed(cpu_group, config)
+    fi.run("checkpoint_prepare", lambda: None)
+    utils.enter_steady_state()  # what activate_cpu_group_timeouts does first
+    fi.run("checkpoint_prepare", lambda: None)
+    assert bounds == [dist.default_pg_timeout.total_seconds(), 20]
 
 
 def test_a_trtllm_fallback_is_sized_for_trtllm(fi_ar, fake_ws, cpu_group, monkeypatch):

@@ -41,10 +41,12 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from vllm.distributed.device_communicators.flashinfer_all_reduce_backend import (
+from vllm.distributed.device_communicators.store_step import (
     GRACE_S,
+    Ballot,
     Outcome,
     Step,
+    _first_records,
 )
 
 BOUND_S = 0.4
@@ -138,7 +140,7 @@ class RankRun:
     flag: bool = False  # a fails/raises fault fired
     acted: bool = False  # the body acted on it (it was still running)
     body_done: bool = False  # the body returned after all its exchanges
-    own_ballot: bool = False  # this rank's compare_set wrote its own ballot
+    own_ballot: bool = False  # its own ballot is the first for it
     counted_out: bool = False  # it added itself to the count of ranks done
     ballot_before_fault: bool = False
     died: bool = False
@@ -168,16 +170,18 @@ def short(key: Any) -> str:
 
 
 STORE_CALLS = {
-    "add", "check", "compare_set", "delete_key", "get", "multi_get", "set", "wait"
+    "add", "append", "check", "compare_set", "delete_key", "get", "multi_get",
+    "set", "wait",
 }  # fmt: skip
 
 
 class RankStore:
     """One rank's view of the case's store: counts its calls, fires its fault."""
 
-    def __init__(self, store, case: Case, run: RankRun, over, written: set):
+    def __init__(self, store, case: Case, run: RankRun, over, written: set, gone):
         self._store, self._run, self._over, self._written = store, run, over, written
         self._fault, self._point = case.fault(run.rank), case.point(run.rank)
+        self._size, self._deleted = case.size, gone
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._store, name)
@@ -187,7 +191,7 @@ class RankStore:
         def call(*args: Any) -> Any:
             self._before(name, args[0])
             out = method(*args)
-            if name in ("add", "compare_set", "set"):
+            if name in ("add", "append", "compare_set", "set"):
                 self._written.add(args[0])
             self._track_ballot(name, args, out)
             return out
@@ -195,15 +199,20 @@ class RankStore:
         return call
 
     def _track_ballot(self, name: str, args: tuple, out: Any) -> None:
+        """Whether this rank's own ballot is the first for it in the ballots
+        its peers read (not in a log it wrote anew once they deleted theirs)."""
         run, key = self._run, args[0]
-        if name == "add" and key.endswith("/left"):
+        if name == "add" and key.endswith("/n"):
             run.counted_out = True
-        if not isinstance(key, str) or not key.endswith(f"/v/{run.rank}"):
+        if not isinstance(key, str) or not key.endswith("/v"):
             return
-        if name == "compare_set" and out == args[2]:
-            run.own_ballot = True
-        elif name == "delete_key" and not run.counted_out:
-            run.own_ballot = False  # back after its step ended: no one read it
+        if name == "delete_key":
+            self._deleted.add(key)
+        elif name == "append" and key not in self._deleted:
+            log = self._store.compare_set(key, "gone", "gone")
+            first, _ = _first_records(log, self._size, Ballot.decode)
+            if first.get(run.rank, (-1,))[0] == run.rank:
+                run.own_ballot = True
 
     def _before(self, name: str, key: Any) -> None:
         run = self._run
@@ -251,12 +260,12 @@ def scripted_body(case: Case, step: Step, run: RankRun):
 def run_case(case: Case) -> CaseResult:
     store = dist.HashStore()
     store.set_timeout(STORE_TIMEOUT)
-    over, written = threading.Event(), set[str]()
+    over, written, deleted = threading.Event(), set[str](), set[str]()
     runs = [RankRun(rank) for rank in range(case.size)]
 
     def rank_main(run: RankRun) -> None:
         run.what = case.what(run.rank)
-        proxy = RankStore(store, case, run, over, written)
+        proxy = RankStore(store, case, run, over, written, deleted)
         if case.fault(run.rank) == "starts_late":
             time.sleep(FAULTS["starts_late"].delay_s)
         start = time.monotonic()

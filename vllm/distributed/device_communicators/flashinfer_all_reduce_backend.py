@@ -7,13 +7,9 @@ checkpoint_restore) runs over the group's store, bounded as vLLM bounds its CPU
 groups, and ends in ballots that every rank maps to the same outcome."""
 
 import dataclasses
-import enum
 import functools
 import importlib
 import inspect
-import pickle
-import time
-import uuid
 import weakref
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
@@ -25,6 +21,12 @@ from packaging.version import InvalidVersion, Version
 from torch.distributed import ProcessGroup
 
 import vllm.envs as envs
+from vllm.config import get_current_vllm_config_or_none
+from vllm.distributed.device_communicators.store_step import (
+    Outcome,
+    Step,
+    some_ranks,
+)
 from vllm.distributed.parallel_state import _node_count
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
@@ -173,236 +175,17 @@ def decide_fi_ar_backend(
     return FiArBackendDecision(backend, fallback, reason, issue)
 
 
-def some_ranks(ranks: Iterable[int]) -> str:
-    ranks = sorted(ranks)
-    return f"rank{'s' * (len(ranks) > 1)} {', '.join(map(str, ranks))}"
-
-
-class Vote(enum.Enum):
-    """How a rank ended a step. ABSENT is written for it by a peer."""
-
-    DONE = "completed"
-    FAILED = "failed"
-    RAISED = "raised"
-    LEFT = "stopped exchanging"
-    ABSENT = "did not answer within the bound"
-
-
-class Outcome(enum.Enum):
-    KEEP = "kept"
-    GIVE_UP = "gave the backend up"
-    OFF = "turned FlashInfer all-reduce off"
-    RAISE = "raised"
-
-
-@dataclasses.dataclass(frozen=True)
-class Ballot:
-    vote: Vote
-    step: str = ""  # what the rank ran: kind, backend, dtype, size
-    detail: str = ""
-    rounds: int = 0  # exchanges written, for the last rank out to delete
-    by: int = -1  # who wrote an ABSENT ballot: only the writer counts it out
-
-
-def outcome(ranks: Iterable[int], ballots: list[Ballot]) -> tuple[Outcome, str]:
-    """The one map from a step's ballots to its outcome: KEEP only where every
-    rank completed the same step."""
-    by_rank = list(zip(ranks, ballots, strict=True))
-    if len({b.step for _, b in by_rank if b.vote is not Vote.ABSENT}) > 1:
-        ran = ", ".join(f"rank {r}: {b.step or '?'}" for r, b in by_rank)
-        return Outcome.OFF, f"the ranks ran different steps ({ran})"
-    rules = [(Vote.ABSENT, Outcome.OFF), (Vote.RAISED, Outcome.RAISE)]
-    rules += [(Vote.FAILED, Outcome.GIVE_UP), (Vote.LEFT, Outcome.OFF)]
-    for vote, result in rules:
-        by_detail: dict[str, list[int]] = {}
-        for r, b in by_rank:
-            if b.vote is vote:
-                by_detail.setdefault(b.detail, []).append(r)
-        if by_detail:
-            return result, "; ".join(
-                f"{some_ranks(r)} {vote.value}" + f": {detail}" * bool(detail)
-                for detail, r in by_detail.items()
-            )
-    return Outcome.KEEP, ""
-
-
-class Left(Exception):
-    """This rank stopped exchanging: a peer ended the step, or the bound passed."""
-
-
-SLOT = "step"  # the nonce of the step being joined; freed once all joined
-END = "end"  # written in place of a rank's next exchange when it ends its part
-GONE = "gone"  # what compare_set(key, GONE, GONE) reads for a key not there
-POLL_S = 0.1  # the longest pause between two looks at the store
-GRACE_S = 0.5  # past the bound, for the ballots of ranks that left at it
-
-
-class Step:
-    """One collective step over `store`. Each key is written once, first
-    writer wins, under the step's own nonce; the last rank out (a peer that
-    wrote ABSENT for a rank counts it out) deletes them all, and a rank back
-    after that deletes what it wrote."""
-
-    def __init__(self, store, ranks, rank, what: str, bound_s: float, last=""):
-        self.store, self.ranks, self.size, self.rank = store, ranks, len(ranks), rank
-        self.what, self.bound_s, self.nonce = what, bound_s, last
-        self.start = time.time()
-        self.deadline = self.start + bound_s  # to join; then for the step
-        self.early = self.deadline + GRACE_S  # before it, no peer can delete it
-        self.rounds, self.failures, self.left = 0, list[str](), ""
-        self.wrote: set[str] = set()
-        self.speaker = -1  # the first rank that answered: it logs the outcome
-
-    def _keys(self, name: str) -> list[str]:
-        return [f"{self.nonce}/{name}/{i}" for i in range(self.size)]
-
-    def _gone(self) -> Left:
-        """Back after the last rank out deleted the step: what this rank wrote
-        since (a count it made anew, its END, its ballot) goes too."""
-        self._free_slot()
-        for key in self.wrote:
-            self.store.delete_key(key)
-        self.left = "this rank came back after its step ended"
-        return Left(self.left)
-
-    def _get(self, keys: list[str]) -> list[Any]:
-        """Their values, read without blocking (get and multi_get wait for a key
-        the last rank out may have deleted while this one was held up)."""
-        values = [self.store.compare_set(key, GONE, GONE) for key in keys]
-        if GONE.encode() in values:
-            raise self._gone()
-        return [pickle.loads(value) for value in values]
-
-    def _put(self, key: str, value: Any) -> Any:
-        """What stands at `key` once this rank offered `value`. The rank's own
-        join key, the first that the last rank out deletes, says whether the
-        step is still there, where a peer may have deleted it."""
-        got = pickle.loads(self.store.compare_set(key, "", pickle.dumps(value)))
-        if got == value:
-            self.wrote.add(key)
-            mine = self._keys("j")[self.rank]
-            if time.time() > self.early and not self.store.check([mine]):
-                raise self._gone()
-        return got
-
-    def _wait(self, keys: list[str], until: float) -> bool:
-        """Whether all `keys` are set by `until`. Polled: a store wait holds the
-        store from its other users, and TCPStore logs each one that times out."""
-        pause_s = 0.001
-        while not self.store.check(keys):
-            if time.time() >= until:
-                return False
-            time.sleep(min(pause_s, max(until - time.time(), 0)))
-            pause_s = min(2 * pause_s, POLL_S)
-        return True
-
-    def exchange(self, data: Any) -> list[Any]:
-        """An allgather, for FlashInfer's comm backend; none once this rank left,
-        whatever FlashInfer made of the Left it raised."""
-        if not self.left:
-            self.rounds += 1
-            keys = self._keys(f"r{self.rounds}")
-            self._put(keys[self.rank], data)
-            if not self._wait(keys, self.deadline):
-                self.left = f"exchange {self.rounds} reached the bound"
-            elif END in (values := self._get(keys)):
-                self.left = f"a peer had ended before exchange {self.rounds}"
-            else:
-                return values
-        raise Left(self.left)
-
-    def run(self, body: Callable[[], Any]) -> tuple[Outcome, str, Any, Any]:
-        """`body()`, then the ballots: the outcome, why, this rank's result and
-        the exception it raised."""
-        result = raised = None
-        try:
-            joined = self._join()
-        except Left as e:
-            return Outcome.OFF, str(e), None, None
-        mine = Ballot(Vote.DONE if joined else Vote.LEFT, self.what)
-        try:
-            result = body() if joined else None
-        except Exception as e:
-            raised = e
-            mine = Ballot(Vote.RAISED, self.what, f"{type(e).__name__}: {e}")
-        if self.left:
-            mine, raised = Ballot(Vote.LEFT, self.what, self.left), None
-        elif self.failures and not raised:
-            mine = Ballot(Vote.FAILED, self.what, " ".join(self.failures))
-        return (
-            *self._vote(dataclasses.replace(mine, rounds=self.rounds)),
-            result,
-            raised,
-        )
-
-    def _join(self) -> bool:
-        """Whether every rank joined this same step within the bound; from when
-        the last one did, the step has the bound again."""
-        last, fresh = self.nonce, uuid.uuid4().hex
-        # A step this rank left before all joined it holds the slot until its
-        # last rank out frees it: this rank never joins it again.
-        while (nonce := self.store.compare_set(SLOT, "", fresh).decode()) == last:
-            if time.time() > self.deadline:
-                raise self._gone()
-            time.sleep(POLL_S)
-        self.nonce = nonce
-        joins = self._keys("j")
-        self._put(joins[self.rank], (self.what, self.start))
-        self.wrote.add(f"{self.nonce}/n")
-        if self.store.add(f"{self.nonce}/n", 1) == self.size:
-            self._free_slot()
-        if not self._wait(joins, self.deadline):
-            return False
-        seen = self._get(joins)
-        self.deadline = max(t for _, t in seen) + self.bound_s
-        self.early = min(t for _, t in seen) + self.bound_s + GRACE_S
-        return all(what == self.what for what, _ in seen)
-
-    def _free_slot(self) -> None:
-        """Unless a later step holds it: read, then deleted while it holds this
-        step's nonce, which no rank can change (a claim needs it free)."""
-        if self.store.compare_set(SLOT, GONE, GONE) == self.nonce.encode():
-            self.store.delete_key(SLOT)
-
-    def _vote(self, mine: Ballot) -> tuple[Outcome, str]:
-        ballots = self._keys("v")
-        try:
-            self._put(self._keys(f"r{self.rounds + 1}")[self.rank], END)
-            ours = [self.rank] if self._put(ballots[self.rank], mine) == mine else []
-            self._wait(ballots, self.deadline + GRACE_S)
-            for i, key in enumerate(ballots):
-                absent = Ballot(Vote.ABSENT, by=self.rank)
-                if not self.store.check([key]) and self._put(key, absent) == absent:
-                    ours.append(i)
-            votes = self._get(ballots)
-            answered = (i for i, b in enumerate(votes) if b.vote is not Vote.ABSENT)
-            self.speaker = next(answered, -1)
-        except Left as e:  # counted out by a peer, so its outcome was OFF
-            return Outcome.OFF, str(e)
-        if ours and self.store.add(f"{self.nonce}/left", len(ours)) == self.size:
-            self._free_slot()
-            # A rank that joined after the rest gave up may have written one
-            # exchange more than any ballot says, then its END.
-            last = max(b.rounds for b in votes) + 2
-            keys = self._keys("j") + [f"{self.nonce}/n", f"{self.nonce}/left"]
-            for name in ["v", *(f"r{r}" for r in range(1, last + 1))]:
-                keys += self._keys(name)
-            for key in keys:  # the join keys first: they say the step is there
-                self.store.delete_key(key)
-        return outcome(self.ranks, votes)
-
-
 class FiArGroup:
     """A group's agreed decision per workspace dtype, its bound, the backends
     given up until destroy, and FlashInfer's comm backend, which FlashInfer
     keeps for its checkpoints: exchanges run inside this group's step only."""
 
-    def __init__(self, group: ProcessGroup, decisions: dict, nodes: int, bound_s):
+    def __init__(self, group: ProcessGroup, decisions: dict, nodes: int, config):
         # Not the group: _groups holds this weakly keyed by it.
         self.store = dist.PrefixStore("vllm-fi-ar", group.get_group_store())
         self.decisions, self.node_count = decisions, nodes
         self.ranks = tuple(dist.get_process_group_ranks(group))
-        self.rank, self.bound_s = dist.get_rank(group), bound_s
+        self.rank, self.config = dist.get_rank(group), config
         self.logged: set[FiArBackendDecision] = set()  # by the group's rank 0
         self.failed: set[str] = set()
         self.step: Step | None = None
@@ -411,13 +194,20 @@ class FiArGroup:
 
     def run(self, what: str, body: Callable[[], Any]) -> tuple[Outcome, str, Any, Any]:
         self.step = Step(
-            self.store, self.ranks, self.rank, what, self.bound_s, self.last
+            self.store, self.ranks, self.rank, what, self.bound_s(), self.last
         )
         try:
             return self.step.run(body)
         finally:
             self.last, self.speaker = self.step.nonce, self.step.speaker
             self.step = None
+
+    def bound_s(self) -> float:
+        """vLLM's timeout for its CPU groups as it stands now (fault tolerance
+        applies the configured one only once start-up is over), else gloo's."""
+        config = self.config or get_current_vllm_config_or_none()
+        timeout = config and config.parallel_config.effective_cpu_distributed_timeout
+        return (timeout or dist.default_pg_timeout).total_seconds()
 
     def decision(self, dtype: torch.dtype | None) -> FiArBackendDecision:
         return self.decisions.get(
@@ -536,9 +326,7 @@ def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> FiArGroup
             )
         off = FiArBackendDecision(None, False, "the ranks disagree")
         decisions = dict.fromkeys(decisions, off)
-    timeout = config and config.parallel_config.effective_cpu_distributed_timeout
-    bound_s = (timeout or dist.default_pg_timeout).total_seconds()
-    fi = _groups[group] = FiArGroup(group, decisions, inputs.node_count, bound_s)
+    fi = _groups[group] = FiArGroup(group, decisions, inputs.node_count, config)
     if off is not None:
         fi.logged.add(off)  # the error said it
     return fi
