@@ -29,16 +29,16 @@ from fi_ar_utils import (
 
 from vllm.config import set_current_vllm_config
 
-# The four-rank group fixtures (about a minute each on 2
+# The three- and four-rank group fixtures (about a minute each on 2
 # cores). Mutation runs (mutation/cosmic-ray.toml) leave them out with
 # `-m "not slow_rank_group"` and rely on the two-rank `one_node` group.
-SLOW_RANK_GROUPS = {"two_nodes", "vllm_groups"}
+SLOW_RANK_GROUPS = {"two_nodes", "vllm_groups", "three_gpus"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "slow_rank_group: uses a four-rank group (two nodes, or uneven ranks)",
+        "slow_rank_group: uses a three- or four-rank group",
     )
 
 

@@ -9,17 +9,22 @@ device facts are faked (see fi_ar_utils). How a step ends under faults is
 test_step_matrix.py's.
 """
 
+import ast
 import importlib
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
+import tree_imports
 from fi_ar_utils import (
     BACKEND_MODULE,
     ENV,
     FUSION_MAX_SIZE_MB,
     HIDDEN_DIM,
+    MODULE,
+    UNFIXED,
     every_rank,
     namespaces_unavailable,
     pin_gpu,
@@ -168,6 +173,34 @@ def test_a_standalone_fallback_to_trtllm_is_sized_for_trtllm(one_node):
         assert r["standalone_tokens"] == FUSION_TOKENS
 
 
+def _after_creation(path: Path) -> list[str]:
+    """The statements of FlashInferAllReduce._ensure_workspace in the file
+    at `path` that a call runs once its workspace is created."""
+    [method] = [
+        node
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef) and node.name == "_ensure_workspace"
+    ]
+    return [
+        ast.unparse(
+            s.test
+            if isinstance(s, ast.If)
+            and ast.unparse(s.test) == "self.max_num_tokens == 0"
+            else s
+        )
+        for s in method.body
+    ]
+
+
+def test_after_creation_a_standalone_call_does_what_stocks_does():
+    """The standalone all-reduce's first call resolves its dtype's backend,
+    creates the workspace at the fusion pass's size and reads trtllm's bound;
+    every later call runs upstream's statements and no others."""
+    ours = Path(importlib.import_module(MODULE).__file__ or "")
+    stock = tree_imports.stock_root() / f"{MODULE.replace('.', '/')}.py"
+    assert _after_creation(ours) == _after_creation(stock)
+
+
 @pytest.mark.parametrize(
     ("case", "backend"),
     [("auto", "mnnvl"), ("fp16", "trtllm"), ("fp16-fixed", "mnnvl"), ("fp32", "mnnvl")],
@@ -194,6 +227,56 @@ def test_explicit_mnnvl_for_float16_is_obeyed_with_one_warning(one_node):
         f"({ENV}=mnnvl; the workspace is float16: mnnvl zeroes"
     )
     assert warning.endswith(f"Unset {ENV} to let vLLM pick a safe backend.")
+
+
+@pytest.fixture(scope="module")
+def three_gpus() -> list[dict[str, dict[str, Any]]]:
+    """Three ranks on one node whose GPUs are not all NVLink-connected, with
+    HiSparse on kernels without the fixes."""
+    case = {"hisparse": "connector", "nvlink": False, **UNFIXED}
+    rank_0 = {"0": {"env": {ENV: "trtllm"}}}
+    return run_group(
+        [
+            {"name": "auto", **case},
+            {"name": "trtllm-on-rank-0", **case, "per_rank": rank_0},
+        ],
+        nnodes=1,
+        ranks_per_node=3,
+        timeout=180,
+    )
+
+
+def test_the_line_names_why_each_candidate_went(three_gpus):
+    """A known issue took each of auto's candidates: the line names both."""
+    results = every_rank(three_gpus, "auto")
+    for r in results:
+        assert r["workspace"] is None and r["log"] == []
+    [line] = _rank_0s(results)
+    assert line.startswith(
+        "INFO FlashInfer all-reduce backend for ranks (0, 1, 2): off (auto, one "
+        "node; HiSparse is on: mnnvl crashes with HiSparse"
+    )
+    assert line.endswith(
+        "0.7.2.post1); more than two GPUs are not all NVLink-connected: trtllm "
+        "runs over PCIe, up to 34 times slower than no fusion (vllm#48075, "
+        "vllm#48071, sglang#32330))"
+    )
+
+
+def test_ranks_that_would_run_different_backends_are_off(three_gpus):
+    """Before the NVLink probe every rank takes trtllm: rank 0 as it is set
+    to, ranks 1 and 2 as HiSparse rules mnnvl out. After it, auto is off, the
+    setting still trtllm: every rank is off, with the one error."""
+    results = every_rank(three_gpus, "trtllm-on-rank-0")
+    for r in results:
+        assert r["resolved"] == [None, False]
+        assert r["log"] == [], "no workspace may be attempted"
+    [line] = _rank_0s(results, _errors)
+    assert line == (
+        "ERROR FlashInfer all-reduce is off for ranks [0, 1, 2]: ranks 1, 2 chose "
+        f"other backends than rank 0. Make these the same on every node: {ENV}, "
+        "the HiSparse config, the GPU and the FlashInfer packages."
+    )
 
 
 @pytest.mark.parametrize("case", ["env-differs", "hisparse-differs"])

@@ -33,6 +33,10 @@ def _kernels(release):
     return (("flashinfer-python", release),)
 
 
+def _names(decision):
+    return [issue.name for issue in decision.known_issues]
+
+
 def _issue(policy, name, backend="mnnvl", applies=lambda inputs: True, fixed_in=None):
     """A made-up entry of the known-issue table."""
     return policy.FiArKnownIssue(
@@ -109,11 +113,11 @@ def test_hisparse_override_retires_at_0_7_4(policy, release, node_count):
     without = policy.decide_fi_ar_backend(dataclasses.replace(inputs, hisparse=False))
     if release in FIXED:
         assert decision == without
-        assert decision.backend == "mnnvl" and decision.known_issue is None
+        assert decision.backend == "mnnvl" and decision.known_issues == ()
     else:
         assert decision.backend == ("trtllm" if node_count == 1 else None)
         assert not decision.allow_trtllm_fallback
-        assert decision.known_issue.name == "flashinfer#7782"
+        assert _names(decision) == ["flashinfer#7782"]
 
 
 @pytest.mark.parametrize("release", UNFIXED + FIXED)
@@ -126,18 +130,18 @@ def test_fp16_avoids_mnnvl_before_0_7_4(policy, release, node_count):
     )
     decision = policy.decide_fi_ar_backend(inputs)
     if release in FIXED:
-        assert decision.backend == "mnnvl" and decision.known_issue is None
+        assert decision.backend == "mnnvl" and decision.known_issues == ()
         assert decision.allow_trtllm_fallback is (node_count == 1)
     else:
         assert decision.backend == ("trtllm" if node_count == 1 else None)
         assert not decision.allow_trtllm_fallback
-        assert decision.known_issue.name == FP16_ISSUE
+        assert _names(decision) == [FP16_ISSUE]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", None])
 def test_fp16_entry_leaves_other_dtypes_alone(policy, dtype):
     decision = policy.decide_fi_ar_backend(_inputs(policy, dtype=dtype))
-    assert (decision.backend, decision.known_issue) == ("mnnvl", None)
+    assert (decision.backend, decision.known_issues) == ("mnnvl", ())
 
 
 def test_explicit_mnnvl_with_fp16_is_obeyed_and_names_the_issue(policy):
@@ -145,7 +149,7 @@ def test_explicit_mnnvl_with_fp16_is_obeyed_and_names_the_issue(policy):
         _inputs(policy, setting="mnnvl", dtype="float16")
     )
     assert decision.backend == "mnnvl" and not decision.allow_trtllm_fallback
-    assert decision.known_issue.name == FP16_ISSUE
+    assert _names(decision) == [FP16_ISSUE]
     assert FP16_ISSUE in decision.reason and "0.7.4" in decision.reason
 
 
@@ -183,6 +187,27 @@ def test_the_reason_names_setting_trigger_issue_kernels_and_fix(
     )
 
 
+PCIE = (
+    "more than two GPUs are not all NVLink-connected: trtllm runs over PCIe, "
+    "up to 34 times slower than no fusion (vllm#48075, vllm#48071, sglang#32330)"
+)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "mnnvl"),
+    [({"hisparse": True}, HISPARSE), ({"dtype": "float16"}, FP16)],
+)
+def test_the_reason_names_every_candidate_an_issue_took(policy, overrides, mnnvl):
+    """Four GPUs of one node not all NVLink-connected, mnnvl hit too: off,
+    and the line says why each candidate went, in the order auto tries them."""
+    inputs = _inputs(policy, world_size=4, nvlink_connected=False, **overrides)
+    decision = policy.decide_fi_ar_backend(inputs)
+    assert decision.backend is None
+    assert decision.reason.startswith(f"{ONE_NODE}; {mnnvl}: mnnvl ")
+    assert decision.reason.endswith(f"0.7.2.post1); {PCIE}")
+    assert [issue.backend for issue in decision.known_issues] == ["mnnvl", "trtllm"]
+
+
 @pytest.mark.parametrize(
     ("no_fabric", "named"), [((3,), "rank 3"), ((3, 2), "ranks 2, 3")]
 )
@@ -206,12 +231,12 @@ def test_an_entry_that_breaks_trtllm_is_checked_for_the_replacement(policy):
     issues = policy.FI_AR_KNOWN_ISSUES + (trtllm_bug,)
     hisparse = policy.decide_fi_ar_backend(_inputs(policy, hisparse=True), issues)
     assert (hisparse.backend, hisparse.allow_trtllm_fallback) == (None, False)
-    assert hisparse.known_issue.name == "flashinfer#7782"
+    assert _names(hisparse) == ["flashinfer#7782", "synthetic trtllm bug"]
     # Without HiSparse, mnnvl still; but it may not fall back to trtllm.
     plain = policy.decide_fi_ar_backend(_inputs(policy), issues)
     assert (plain.backend, plain.allow_trtllm_fallback) == ("mnnvl", False)
     explicit = policy.decide_fi_ar_backend(_inputs(policy, setting="trtllm"), issues)
-    assert explicit.backend == "trtllm" and explicit.known_issue is trtllm_bug
+    assert explicit.backend == "trtllm" and explicit.known_issues == (trtllm_bug,)
 
 
 def test_an_entry_that_does_not_count_does_not_end_the_search(policy):
@@ -222,7 +247,7 @@ def test_an_entry_that_does_not_count_does_not_end_the_search(policy):
     )
     decision = policy.decide_fi_ar_backend(_inputs(policy), issues)
     assert decision.backend == "trtllm"
-    assert decision.known_issue.name == "unfixed"
+    assert _names(decision) == ["unfixed"]
 
 
 FI074 = ("flashinfer-python", "0.7.4")

@@ -449,20 +449,25 @@ class FlashInferAllReduce:
             else int(default_max_size_mb * MiB)
         )
         self.max_num_tokens = 0
-        self.fusion_max_size = int(default_max_size_mb * MiB)  # the fusion pass's
+        # Created at the fusion pass's size: mnnvl's tuned size is not trtllm's.
+        self.create_size = min(self.max_workspace_size, int(default_max_size_mb * MiB))
         self.disabled = False
 
     def _ensure_workspace(self, hidden_dim: int, dtype: torch.dtype) -> bool:
         """Ensure the all reduce workspace is initialized."""
-        row_size = hidden_dim * dtype.itemsize
         if self.max_num_tokens == 0:
+            element_size = torch.tensor([], dtype=dtype, device="cpu").element_size()
+            self.max_num_tokens = self.max_workspace_size // (hidden_dim * element_size)
             self.resolved_backend = _resolve_fi_ar_backend(self.group, dtype)
-            self.max_num_tokens = self.max_workspace_size // row_size
+            tokens = self.create_size // (hidden_dim * element_size)
+            args = self.world_size, self.rank, tokens, hidden_dim, dtype
+            workspace = get_fi_ar_workspace(*args, self.group, self.resolved_backend)
+            if getattr(workspace, "backend", None) == "trtllm":  # its own bound
+                self.max_num_tokens = workspace.metadata["max_token_num"]
         workspace = get_fi_ar_workspace(
             world_size=self.world_size,
             rank=self.rank,
-            # mnnvl's tuned size is not trtllm's, which it may fall back to.
-            max_token_num=min(self.max_num_tokens, self.fusion_max_size // row_size),
+            max_token_num=self.max_num_tokens,
             hidden_dim=hidden_dim,
             dtype=dtype,
             group=self.group,
@@ -471,8 +476,6 @@ class FlashInferAllReduce:
         if workspace is None:
             self.disabled = True
             return False
-        if workspace.backend == "trtllm":  # its own bound, whoever created it
-            self.max_num_tokens = workspace.metadata["max_token_num"]
         return True
 
     def should_use_fi_ar(self, input_tensor: torch.Tensor) -> bool:

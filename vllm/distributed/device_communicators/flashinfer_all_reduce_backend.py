@@ -102,7 +102,7 @@ class FiArBackendDecision:
     backend: str | None  # None: FlashInfer all-reduce is off
     allow_trtllm_fallback: bool
     reason: str
-    known_issue: FiArKnownIssue | None = None  # that moved auto, or that is hit
+    known_issues: tuple[FiArKnownIssue, ...] = ()  # per candidate: took it, or is hit
 
 
 def installed_kernels() -> tuple[tuple[str, str], ...]:
@@ -161,8 +161,8 @@ def decide_fi_ar_backend(
         candidates, reason = [], f"auto, {nodes} nodes below Blackwell (SM100)"
     safe = [b for b in candidates if inputs.setting != "auto" or b not in unfixed]
     backend = safe[0] if safe else None
-    issue = next((unfixed[b] for b in candidates if b in unfixed), None)
-    if issue is not None:
+    issues = tuple(unfixed[b] for b in candidates if b in unfixed)
+    for issue in issues:
         fix = f"fixed in {issue.fixed_in}, not in {package}" if issue.fixed_in else ""
         reason += f"; {issue.trigger}: {issue.backend} {issue.effect} ({issue.name}"
         reason += f"; {fix})" if fix else ")"
@@ -172,7 +172,7 @@ def decide_fi_ar_backend(
             f"; FlashInfer finds no NVLink fabric on {some_ranks(inputs.no_fabric)}"
         )
     fallback = backend == "mnnvl" and "trtllm" in safe
-    return FiArBackendDecision(backend, fallback, reason, issue)
+    return FiArBackendDecision(backend, fallback, reason, issues)
 
 
 class FiArGroup:
@@ -257,10 +257,10 @@ def _fabric(device: int) -> bool:
 
 def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> FiArGroup:
     """The group's agreement, reached on first use under `config` (the vLLM
-    config current then): every rank decides on the facts of every rank, its
-    NVLink fabric across nodes and, as custom_all_reduce.py does, whether the
-    GPUs of a group of more than two on one node are all NVLink-connected.
-    Ranks whose decisions still differ (a variable set on one node) are off."""
+    config current then): one gather of each rank's facts, with its NVLink
+    fabric across nodes and, as custom_all_reduce.py does, whether the GPUs of
+    a group of more than two on one node are all NVLink-connected. Every rank
+    decides for every rank; ranks that would run different backends are off."""
     if group in _groups:
         return _groups[group]
     capability = current_platform.get_device_capability()
@@ -275,20 +275,12 @@ def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> FiArGroup
         world_size=dist.get_world_size(group),
     )
 
-    def every_dtype(**facts: Any) -> dict:  # a known issue may hit one dtype only
-        return {
-            dtype: decide_fi_ar_backend(
-                dataclasses.replace(inputs, dtype=dtype, **facts)
-            )
+    def per_dtype(rank: FiArBackendInputs, **facts: Any) -> dict:
+        return {  # a known issue may hit one dtype only
+            dtype: decide_fi_ar_backend(dataclasses.replace(rank, dtype=dtype, **facts))
             for dtype in (None, *FI_AR_DTYPES)
         }
 
-    decisions = every_dtype()
-    if inputs.hisparse is None and decisions != every_dtype(hisparse=False):
-        logger.warning_once(
-            "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
-            "on, the choice that cannot crash on these kernels."
-        )
     device = torch.cuda.current_device() if torch.cuda.is_available() else 0
     views: list[Any] = [None] * inputs.world_size
     nvlink = inputs.node_count == 1 and inputs.world_size > 2
@@ -296,12 +288,12 @@ def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> FiArGroup
         physical = current_platform.visible_device_id_to_physical_device_id
         dist.all_gather_object(views, _probe("device", physical, device), group)
     ids = list(views)
-    mnnvl = "mnnvl" in {d.backend for d in decisions.values()}
+    mnnvl = "mnnvl" in {d.backend for d in per_dtype(inputs).values()}
     fabric = inputs.node_count > 1 and mnnvl
     dist.all_gather_object(
         views,
         (
-            tuple((d.backend, d.allow_trtllm_fallback) for d in decisions.values()),
+            inputs,
             not fabric or _probe("NVLink fabric", _fabric, device),
             not nvlink or _probe("NVLink", current_platform.is_fully_connected, ids),
         ),
@@ -309,11 +301,17 @@ def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> FiArGroup
     )
     ranks = dist.get_process_group_ranks(group)
     no_fabric = tuple(r for r, v in zip(ranks, views, strict=True) if not v[1])
-    connected = all(v[2] for v in views)
-    if no_fabric or not connected:
-        decisions = every_dtype(no_fabric=no_fabric, nvlink_connected=connected)
+    seen = dict(no_fabric=no_fabric, nvlink_connected=all(v[2] for v in views))
+    plans = [per_dtype(v[0], **seen) for v in views]
+    mine = plans[dist.get_rank(group)]
+    if inputs.hisparse is None and mine != per_dtype(inputs, hisparse=False, **seen):
+        logger.warning_once(
+            "No vLLM config is current: FlashInfer all-reduce takes HiSparse as "
+            "on, the choice that cannot crash on these kernels."
+        )
+    runs = [[(d.backend, d.allow_trtllm_fallback) for d in p.values()] for p in plans]
     off = None
-    if differ := [r for r, v in zip(ranks, views, strict=True) if v[0] != views[0][0]]:
+    if differ := [r for r, run in zip(ranks, runs, strict=True) if run != runs[0]]:
         if dist.get_rank(group) == 0:
             logger.error(
                 "FlashInfer all-reduce is off for ranks %s: %s chose other backends "
@@ -325,8 +323,8 @@ def agreed(group: ProcessGroup, config: "VllmConfig | None" = None) -> FiArGroup
                 FI_AR_BACKEND_ENV,
             )
         off = FiArBackendDecision(None, False, "the ranks disagree")
-        decisions = dict.fromkeys(decisions, off)
-    fi = _groups[group] = FiArGroup(group, decisions, inputs.node_count, config)
+        mine = dict.fromkeys(mine, off)
+    fi = _groups[group] = FiArGroup(group, mine, inputs.node_count, config)
     if off is not None:
         fi.logged.add(off)  # the error said it
     return fi
@@ -343,7 +341,7 @@ def resolve_fi_ar_backend(
     d = fi.decision(dtype)
     if d not in fi.logged and fi.rank == 0:
         fi.logged.add(d)
-        warn = d.known_issue is not None and d.known_issue.backend == d.backend
+        warn = any(issue.backend == d.backend for issue in d.known_issues)
         (logger.warning if warn else logger.info)(
             "FlashInfer all-reduce backend for ranks %s: %s%s (%s)%s",
             fi.ranks,
