@@ -174,11 +174,11 @@ class Step:
         self._append(name, (self.rank, value))
         pause_s = 0.001
         while True:
+            time.sleep(min(pause_s, max(until - time.monotonic(), 0)))
+            pause_s = min(2 * pause_s, POLL_S)
             first, clean = self._read(name, decode)
             if len(first) == self.size or not clean or time.monotonic() >= until:
                 return first, clean
-            time.sleep(min(pause_s, max(until - time.monotonic(), 0)))
-            pause_s = min(2 * pause_s, POLL_S)
 
     def exchange(self, data: Any) -> list[Any]:
         """An allgather, for FlashInfer's comm backend; none once this rank left,
