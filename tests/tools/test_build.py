@@ -53,7 +53,7 @@ def upstream_like(tmp_path: Path, **kwargs: object) -> Path:
 
 def test_repo_pins_are_the_upstream_release() -> None:
     pins = load_pins()
-    assert pins.version == "0.34.0+hisparse8"
+    assert pins.version == "0.34.0+hisparse9"
     assert pins.sha256 == {
         "vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64.whl": (
             "79ca4b3cd74aec08c4bf476bdf0cb15735b605ae5368526a2faae1e30f044ca2"
