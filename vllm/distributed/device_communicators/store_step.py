@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import io
 import pickle
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -225,20 +226,27 @@ class Step:
 
     def _claim(self) -> bool:
         """The slot's nonce, unless it is the step this rank ran last: one it
-        left before all joined holds the slot until its last rank out frees it."""
+        left before all joined holds the slot until its last rank out frees it.
+        A slot that holds no nonce (bytes a client wrote) is cleared."""
         fresh = uuid.uuid4().hex[:12]
-        while (nonce := self.store.compare_set(SLOT, "", fresh).decode()) == self.nonce:
-            if time.monotonic() > self.deadline:
-                return False
-            time.sleep(POLL_S)
-        self.nonce = nonce
-        return True
+        while time.monotonic() <= self.deadline:
+            held = self.store.compare_set(SLOT, "", fresh)
+            if not re.fullmatch(rb"[0-9a-f]{12}", held):
+                self.store.compare_set(SLOT, held, "")  # an empty slot is free
+            elif held != self.nonce.encode():
+                self.nonce = held.decode()
+                return True
+            else:
+                time.sleep(POLL_S)
+        return False
 
     def _join(self) -> bool:
         """Whether every rank joined this same step within the bound; from when
         this rank saw the last one join, the step has the bound again."""
-        first, _ = self._gather("j", (self.what,), _joined, self.deadline)
+        first, clean = self._gather("j", (self.what,), _joined, self.deadline)
         self.joined = set(first)
+        if not clean:
+            self.left = "the join held a value that does not decode"
         if len(first) < self.size:
             return False
         self.deadline = time.monotonic() + self.bound_s
