@@ -40,6 +40,7 @@ class Counting:
 
 def rank_main(where: str, rank: int, size: int, steps, sync, results) -> None:
     """Runs `steps` on the TCPStore at port `where`, or the FileStore there."""
+    raw: dist.Store
     if where.isdigit():
         timeout = timedelta(seconds=300)
         raw = dist.TCPStore("127.0.0.1", int(where), None, rank == 0, timeout, False)
@@ -51,7 +52,12 @@ def rank_main(where: str, rank: int, size: int, steps, sync, results) -> None:
     for i, (what, exchanges) in enumerate(steps):
         start, calls = time.monotonic(), store.calls
         step = store_step.Step(store, tuple(range(size)), rank, what, 300.0, last)
-        ran = step.run(lambda s=step, n=exchanges: [s.exchange(0) for _ in range(n)])
+
+        def body(step=step, exchanges=exchanges) -> None:
+            for _ in range(exchanges):
+                step.exchange(0)
+
+        ran = step.run(body)
         last, kept = step.nonce, ran[0] is store_step.Outcome.KEEP
         results.put((i, store.calls - calls, start, time.monotonic(), kept))
     sync.wait()  # rank 0 hosts a TCPStore until every rank is done with it
