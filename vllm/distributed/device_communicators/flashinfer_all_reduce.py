@@ -5,7 +5,7 @@
 # Origin: vendor
 # Forwarded: no
 # Base: vllm==0.34.0
-# Last-Update: 2026-12-06
+# Last-Update: 2026-12-07
 # Applied-Upstream: 0.34.0, in part: HiSparse off mnnvl on every kernel.
 # Drop-When: each part as docs/contributing/upstream.md says.
 
