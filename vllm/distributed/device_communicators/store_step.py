@@ -48,10 +48,12 @@ PEER_WRITTEN = (Vote.ABSENT, Vote.UNJOINED)
 
 
 class Outcome(enum.Enum):
-    KEEP = "kept"
-    GIVE_UP = "gave the backend up"
-    OFF = "turned FlashInfer all-reduce off"
-    RAISE = "raised"
+    """What every rank does after a step; the caller says what each means."""
+
+    KEEP = "keep"
+    GIVE_UP = "give up"
+    OFF = "off"
+    RAISE = "raise"
 
 
 @dataclasses.dataclass(frozen=True)
