@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from vllm.distributed.device_communicators import store_step
 from vllm.distributed.device_communicators.store_step import Outcome, Step
 
 EXCHANGES = 12  # about what FlashInfer's trtllm creation makes
@@ -47,8 +48,8 @@ def run_step(size: int, exchanges: int, bound_s: float = 30.0):
         step = Step(views[rank], tuple(range(size)), rank, "create", bound_s)
 
         def body() -> None:
-            for i in range(exchanges):
-                assert step.exchange(i) == [i] * size
+            for i in range(exchanges):  # bytes, as FlashInfer's handles are
+                assert step.exchange(bytes([i]) * 64) == [bytes([i]) * 64] * size
 
         outcomes[rank] = step.run(body)[:2]
 
@@ -100,3 +101,33 @@ def test_a_wall_clock_jump_moves_no_deadline(monkeypatch) -> None:
     for thread in threads:
         thread.join(30)
     assert outcomes == [Outcome.KEEP, Outcome.KEEP]
+
+
+def test_a_step_some_ranks_never_join_names_the_ranks_that_did() -> None:
+    """Ranks 0 and 1 run a step that rank 2, idle, does not: the reason names
+    the ranks that ran it, not the one that was not asked to."""
+    store, outcomes = dist.HashStore(), [None, None]
+
+    def rank_main(rank: int) -> None:
+        outcomes[rank] = Step(store, (0, 1, 2), rank, "create", 0.3).run(list)[:2]
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert outcomes == [(Outcome.OFF, "only ranks 0, 1 joined within the bound")] * 2
+    assert store.num_keys() == 0
+
+
+def test_a_log_is_read_to_every_ranks_first_record_only() -> None:
+    """Bytes appended once every rank has a record change nothing; a record
+    naming no rank of the group does not decode."""
+    records = [store_step._record(r, r, (b"data",)) for r in range(3)]
+    log = b"".join(records)
+    whole = {r: (r, (b"data",)) for r in range(3)}
+    for tail in (b"", b"not a pickle", store_step._record(3, 0, (b"late",))):
+        assert store_step._first_records(log + tail, 3, tuple) == (whole, True)
+    for writer, subject in ((3, 0), (0, 3), (-1, 0), (0, -1)):
+        bad = store_step._record(writer, subject, ())
+        assert store_step._first_records(bad + log, 3, tuple) == ({}, False)
