@@ -131,3 +131,47 @@ def test_a_log_is_read_to_every_ranks_first_record_only() -> None:
     for writer, subject in ((3, 0), (0, 3), (-1, 0), (0, -1)):
         bad = store_step._record(writer, subject, ())
         assert store_step._first_records(bad + log, 3, tuple) == ({}, False)
+
+
+def test_ranks_are_named_as_one_or_many() -> None:
+    assert store_step.some_ranks([3]) == "rank 3"
+    assert store_step.some_ranks([2, 0]) == "ranks 0, 2"
+
+
+def test_a_slot_still_held_by_this_ranks_last_step_ends_within_the_bound() -> None:
+    """The step this rank left before all joined never freed the slot (its
+    last rank out died): the next step ends OFF at the bound, not waiting."""
+    store = dist.HashStore()
+    store.set(store_step.SLOT, "0123456789ab")
+    step = Step(store, (0, 1), 0, "create", 0.3, last="0123456789ab")
+    start = time.monotonic()
+    assert step.run(list)[:2] == (
+        Outcome.OFF,
+        "the step before it never freed the slot",
+    )
+    assert time.monotonic() - start < 1.0
+
+
+def test_ballots_that_do_not_decode_end_every_rank_alike() -> None:
+    """A store client writes bytes into the ballots before every rank voted:
+    every rank ends OFF saying so, and the step leaves no key."""
+    store, outcomes = dist.HashStore(), [None, None]
+
+    def rank_main(rank: int) -> None:
+        step = Step(store, (0, 1), rank, "create", 5.0)
+
+        def body() -> None:
+            step.exchange(rank)
+            if rank == 0:
+                store.append(f"{step.nonce}/v", b"not a pickle")
+
+        outcomes[rank] = step.run(body)[:2]
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    why = "a ballot held a value that does not decode"
+    assert outcomes == [(Outcome.OFF, why)] * 2
+    assert store.num_keys() == 0
