@@ -175,3 +175,18 @@ def test_ballots_that_do_not_decode_end_every_rank_alike() -> None:
     why = "a ballot held a value that does not decode"
     assert outcomes == [(Outcome.OFF, why)] * 2
     assert store.num_keys() == 0
+
+
+@pytest.mark.parametrize(
+    ("decode", "value"),
+    [
+        (store_step.Ballot.decode, ("DONE", 1, "", 0)),
+        (store_step.Ballot.decode, ("DONE", "", "", "0")),
+        (store_step.Ballot.decode, ("NOT_A_VOTE", "", "", 0)),
+        (store_step._exchanged, (1, 2)),
+        (store_step._joined, (1,)),
+    ],
+)
+def test_a_record_of_the_wrong_shape_does_not_decode(decode, value) -> None:
+    with pytest.raises((ValueError, KeyError)):
+        decode(value)
