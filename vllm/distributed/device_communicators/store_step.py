@@ -63,6 +63,9 @@ class Ballot:
     detail: str = ""
     rounds: int = 0  # exchanges written, for the last rank out to delete
 
+    def encode(self) -> tuple:
+        return self.vote.name, self.step, self.detail, self.rounds
+
     @classmethod
     def decode(cls, value: tuple) -> "Ballot":
         vote, step, detail, rounds = value
@@ -265,14 +268,12 @@ class Step:
         """Every rank's first ballot: its own, or one a peer wrote for it once
         the bound and its grace passed."""
         self._append(str(self.rounds + 1), (self.rank, ()))  # ended its part
-        mine_as_data = (mine.vote.name, mine.step, mine.detail, mine.rounds)
         first, clean = self._gather(
-            "v", mine_as_data, Ballot.decode, self.deadline + GRACE_S
+            "v", mine.encode(), Ballot.decode, self.deadline + GRACE_S
         )
         if clean and len(first) < self.size:
-            self._append(
-                "v", *((i, self._absent(i)) for i in range(self.size) if i not in first)
-            )
+            missing = [i for i in range(self.size) if i not in first]
+            self._append("v", *((i, self._absent(i).encode()) for i in missing))
             first, clean = self._read("v", Ballot.decode)
         if not clean or len(first) < self.size:
             self._count_out(1, self.rounds)
@@ -284,9 +285,8 @@ class Step:
         self._count_out(sum(w == self.rank for w, _ in first.values()), rounds)
         return outcome(self.ranks, votes)
 
-    def _absent(self, rank: int) -> tuple:
-        vote = Vote.ABSENT if rank in self.joined else Vote.UNJOINED
-        return vote.name, "", "", 0
+    def _absent(self, rank: int) -> Ballot:
+        return Ballot(Vote.ABSENT if rank in self.joined else Vote.UNJOINED)
 
     def _count_out(self, ranks: int, rounds: int) -> None:
         """Counts out the ranks whose ballots this rank wrote. The last rank out
